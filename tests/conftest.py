@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama/Qwen model with a byte-level tokenizer, built in memory."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from specserve.config import ModelConfig
+from specserve.loader import LoadedCheckpoint
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_checkpoint(arch: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0,
+                    dtype: torch.dtype = torch.float64, max_positions: int = 512) -> LoadedCheckpoint:
+    """A random model; its weights are scaled up so greedy outputs are far from ties."""
+    tokenizer = byte_tokenizer()
+    vocab = len(tokenizer)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+              rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=vocab - 1)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, tie_word_embeddings=True))
+    else:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw, tie_word_embeddings=False))
+    weights = {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}
+    for k, v in weights.items():
+        if k.endswith("proj.weight") or k.endswith("embed_tokens.weight") or k == "lm_head.weight":
+            v.mul_(4.0)
+        elif k.endswith("bias"):
+            v.normal_(0, 0.1)
+    config = ModelConfig(arch, vocab, hidden, 2 * hidden, num_layers, 4, 2, hidden // 4, 1e-6, 10000.0,
+                         max_positions, arch == "llama", arch == "qwen2", False, None, (vocab - 1,), f"tiny-{arch}")
+    return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer, source=f"tiny-{arch}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedCheckpoint:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> LoadedCheckpoint:
+    return tiny_checkpoint("qwen2", seed=1)

@@ -1,0 +1,158 @@
+"""Continuous batching, chunked prefill, preemption and stop handling on a tiny float64 model."""
+import random
+
+import pytest
+import torch
+
+from specserve.engine import LLM, Engine, engine_config
+from specserve.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def make_llm(ckpt, **kw) -> LLM:
+    kw = {"dtype": "float64", "page_size": 4, "num_pages": 256, **kw}
+    return LLM(checkpoint=ckpt, **kw)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def run_alone(ckpt, prompt, params=GREEDY):
+    return make_llm(ckpt).generate([prompt], params)[0]
+
+
+def drive_with_arrivals(engine: Engine, reqs: list[list[int]], params: list[SamplingParams], seed: int = 0):
+    """Add requests a few at a time between steps; return finished outputs by request id."""
+    rng = random.Random(seed)
+    pending = list(enumerate(reqs))
+    finals = {}
+    while pending or engine.has_unfinished:
+        for _ in range(rng.randrange(0, 4)):
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(p, params[i], request_id=str(i))
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_twenty_mixed_requests_with_arrivals_match_each_run_alone(tiny_llama):
+    reqs = prompts(20)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=random.Random(i).randrange(1, 20), ignore_eos=True)
+              for i in range(20)]
+    llm = make_llm(tiny_llama, max_num_batched_tokens=48, max_running_requests=8)
+    finals = drive_with_arrivals(llm.engine, reqs, params)
+    for i, p in enumerate(reqs):
+        alone = run_alone(tiny_llama, p, params[i])
+        assert finals[str(i)].token_ids == alone.token_ids, f"request {i} differs when batched"
+        assert len(alone.token_ids) == params[i].max_new_tokens
+    alloc = llm.engine.allocator
+    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+
+
+def test_preemption_under_page_pressure_recomputes_without_corruption(tiny_llama):
+    reqs = prompts(10, seed=3)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)] * 10
+    llm = make_llm(tiny_llama, num_pages=24, max_num_batched_tokens=64)
+    outs = llm.generate(reqs, params)
+    assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to be too small"
+    for p, out in zip(reqs, outs):
+        assert out.token_ids == run_alone(tiny_llama, p, params[0]).token_ids
+    assert llm.engine.allocator.num_free == 24
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=15, ignore_eos=True)
+    reqs = prompts(6, seed=5)
+    batched = make_llm(tiny_llama).generate(reqs, params)
+    alone = run_alone(tiny_llama, reqs[2], params)
+    assert batched[2].token_ids == alone.token_ids
+    other = run_alone(tiny_llama, reqs[2], SamplingParams(temperature=0.8, top_p=0.9, seed=99, max_new_tokens=15,
+                                                        ignore_eos=True))
+    assert other.token_ids != alone.token_ids
+
+
+def test_logprobs_are_the_models_log_softmax(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3)
+    out = make_llm(tiny_llama).generate([[5, 6, 7]], params)[0]
+    assert len(out.logprobs) == 5 and len(out.top_logprobs) == 5
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert max(top.values()) == pytest.approx(lp)       # greedy: the chosen token is the top one
+        assert top[tok] == pytest.approx(lp) and len(top) == 3 and lp <= 0
+
+
+def test_stop_token_and_max_tokens_and_eos(tiny_llama):
+    llm = make_llm(tiny_llama)
+    free_run = llm.generate([[1, 2, 3]], GREEDY)[0]
+    stop_tok = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_tok)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
+                                                    stop_token_ids=(stop_tok,)))[0]
+    assert out.token_ids == free_run.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+
+
+def test_stop_string_cuts_text_and_generation(tiny_llama):
+    llm = make_llm(tiny_llama)
+    free_run = llm.generate([[1, 2, 3]], GREEDY)[0]
+    stop = free_run.text[3:5]
+    assert stop
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
+                                                    stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free_run.text[:free_run.text.find(stop)]
+    assert free_run.token_ids[:len(out.token_ids)] == out.token_ids
+
+
+def test_abort_frees_pages(tiny_llama):
+    llm = make_llm(tiny_llama)
+    engine = llm.engine
+    rid = engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    engine.step()
+    assert engine.allocator.num_free < engine.allocator.num_pages
+    out = engine.abort(rid)
+    assert out.finish_reason == "abort" and engine.allocator.num_free == engine.allocator.num_pages
+    assert not engine.has_unfinished
+
+
+def test_chat_prompt_uses_template(tiny_llama):
+    engine = make_llm(tiny_llama).engine
+    ids = engine.encode("hi", chat=True)
+    assert engine.tokenizer.decode(ids) == "<|user|>hi\n<|assistant|>"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([1] * 600, "longer than the context"),
+    ([100000], "outside the vocabulary"),
+])
+def test_bad_prompts_raise_clear_errors(tiny_llama, bad, message):
+    llm = make_llm(tiny_llama)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([bad] if isinstance(bad, list) else bad, GREEDY)
+    assert not llm.engine.has_unfinished
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_sampling_params_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_engine_config_maps_flat_arguments():
+    cfg = engine_config("m.gguf", page_size=8, max_running_requests=3, speculative_algorithm="NGRAM", dtype="float64")
+    assert (cfg.model_path, cfg.cache.page_size, cfg.scheduler.max_running_requests, cfg.spec.algorithm,
+            cfg.dtype) == ("m.gguf", 8, 3, "NGRAM", "float64")
+    with pytest.raises(TypeError, match="unknown engine argument 'bogus'"):
+        engine_config(bogus=1)

@@ -1,0 +1,74 @@
+"""Parity of our Llama-family model against transformers' own implementation on the same weights."""
+import pytest
+import torch
+import transformers
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.config import ModelConfig
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.models.llama import LlamaModel
+
+PROMPTS = [[1, 5, 7, 9, 11, 13, 2], [3, 4, 5], [8, 8, 8, 8, 8, 8, 8, 8, 8, 1]]
+
+
+def run_batch(model: LlamaModel, prompts: list[list[int]], page_size: int = 4) -> list[torch.Tensor]:
+    """Prefill all prompts but the last token as one ragged batch, then decode the last tokens together."""
+    cfg = model.config
+    pool = KVPool(KVGeometry.of(cfg, model.dtype), 64, page_size)
+    pages, next_page = [], 0
+    for p in prompts:
+        n = -(-len(p) // page_size)
+        pages.append(list(range(next_page, next_page + n))[::-1])   # out-of-order pages on purpose
+        next_page += n
+    heads = [p[:-1] for p in prompts]
+    meta = AttentionMetadata.build([SeqSpan(pg, 0, len(h)) for pg, h in zip(pages, heads)], page_size, pool.null_slot)
+    hidden, _ = model.forward(torch.tensor(sum(heads, [])), torch.tensor([i for h in heads for i in range(len(h))]),
+                              meta, pool)
+    logits = model.logits(hidden).split([len(h) for h in heads])
+    meta = AttentionMetadata.build([SeqSpan(pg, len(h), 1) for pg, h in zip(pages, heads)], page_size, pool.null_slot)
+    hidden, _ = model.forward(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(h) for h in heads]), meta, pool)
+    last = model.logits(hidden)
+    return [torch.cat([lg, last[i:i + 1]]) for i, lg in enumerate(logits)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_matches_transformers_on_tiny_random_model(arch):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0)
+    hf_cls, hf_cfg = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**kw, tie_word_embeddings=True)),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**kw, tie_word_embeddings=False)),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**kw, head_dim=16, tie_word_embeddings=False)),
+    }[arch]
+    hf = hf_cls(hf_cfg).eval()
+    weights = hf.state_dict()
+    for name, tensor in weights.items():
+        if name.endswith("bias"):
+            tensor.normal_(0, 0.5)     # Qwen2 initialises QKV biases to zero; make them matter
+    cfg = ModelConfig(arch, 97, 64, 96, 3, 4, 2, 16, 1e-6, 10000.0, 128, tie_word_embeddings=arch == "llama",
+                      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    ours = run_batch(LlamaModel(cfg, weights, torch.float32), PROMPTS)
+    with torch.no_grad():
+        for prompt, logits in zip(PROMPTS, ours):
+            ref = hf(torch.tensor([prompt])).logits[0]
+            assert (ref - logits).abs().max().item() < 1e-3
+
+
+def test_aux_hidden_states_are_the_residual_stream_after_each_layer():
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      rope_theta=10000.0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    cfg = ModelConfig("llama", 97, 64, 96, 3, 4, 2, 16, hf_cfg.rms_norm_eps, 10000.0, 128,
+                      tie_word_embeddings=hf_cfg.tie_word_embeddings)
+    model = LlamaModel(cfg, hf.state_dict(), torch.float32)
+    prompt = PROMPTS[0]
+    pool = KVPool(KVGeometry.of(cfg, torch.float32), 4, 16)
+    meta = AttentionMetadata.build([SeqSpan([0], 0, len(prompt))], 16, pool.null_slot)
+    _, aux = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), meta, pool, aux_layer_ids=(0, 1))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    for mine, theirs in zip(aux, ref[1:3]):      # hidden_states[0] is the embedding output
+        assert (mine - theirs[0]).abs().max().item() < 1e-4

@@ -1,0 +1,50 @@
+import math
+
+import pytest
+import torch
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan, paged_attention
+from specserve.kv_pages import KVGeometry, KVPool
+
+
+def reference(q, k, v, causal_offset, causal):
+    # q: [n, heads, d]; k, v: [kv_len, kv_heads, d]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        qpos = torch.arange(q.shape[0])[:, None] + causal_offset
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_paged_attention_matches_per_sequence_reference(causal):
+    torch.manual_seed(0)
+    page_size, heads, kv_heads, d = 4, 4, 2, 8
+    pool = KVPool(KVGeometry(1, kv_heads, d, torch.float64), 12, page_size)
+    pool.fill_pages(list(range(12)), float("nan"))      # nothing unwritten may be read
+    # (cached tokens, new tokens, pages): decode, prefill, verify window, mid-prefill chunk
+    layout = [(5, 1, [7, 2]), (0, 6, [0, 9]), (3, 4, [4, 5]), (8, 3, [1, 3, 10])]
+    history = {}
+    for b, (cached, _, pages) in enumerate(layout):
+        if cached:
+            k, v = torch.randn(cached, kv_heads, d, dtype=torch.float64), torch.randn(cached, kv_heads, d, dtype=torch.float64)
+            meta = AttentionMetadata.build([SeqSpan(pages, 0, cached)], page_size, pool.null_slot)
+            pool.write(0, meta.slot_mapping, k, v)
+            history[b] = (k, v)
+    spans = [SeqSpan(pages, cached, new, causal) for cached, new, pages in layout]
+    meta = AttentionMetadata.build(spans, page_size, pool.null_slot)
+    total = sum(new for _, new, _ in layout)
+    q = torch.randn(total, heads, d, dtype=torch.float64)
+    k = torch.randn(total, kv_heads, d, dtype=torch.float64)
+    v = torch.randn(total, kv_heads, d, dtype=torch.float64)
+    out = paged_attention(q, k, v, 0, pool, meta, d ** -0.5)
+    assert not out.isnan().any()
+    off = 0
+    for b, (cached, new, _) in enumerate(layout):
+        hk, hv = history.get(b, (k[:0], v[:0]))
+        full_k, full_v = torch.cat([hk, k[off:off + new]]), torch.cat([hv, v[off:off + new]])
+        ref = reference(q[off:off + new], full_k, full_v, cached, causal)
+        torch.testing.assert_close(out[off:off + new], ref, rtol=1e-10, atol=1e-10)
+        off += new
