@@ -17,6 +17,7 @@ from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.models import ARCHITECTURES
 from specserve.runner import ForwardOutput, ModelRunner
 from specserve.scheduler import Scheduler
+from specserve.spec import TargetInfo, build_proposer
 from specserve.spec.verify import verify
 from specserve.types import (Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan,
                              VerifyResult)
@@ -27,7 +28,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None,
+                 draft_checkpoint: LoadedCheckpoint | None = None) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
         if config.num_threads:
@@ -39,17 +41,28 @@ class Engine:
         self.tokenizer = ckpt.tokenizer
         self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype)
 
-        geometry = KVGeometry.of(ckpt.config, dtype)
+        self.proposer = build_proposer(config.spec, TargetInfo(self.model, ckpt.config, self.tokenizer, dtype),
+                                       draft_checkpoint)
+
+        geometries = [KVGeometry.of(ckpt.config, dtype)]
+        if self.proposer is not None and self.proposer.kv_geometry is not None:
+            geometries.append(self.proposer.kv_geometry)
         cache = config.cache
-        num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, [geometry])
+        num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, geometries)
         self.allocator = PageAllocator(num_pages)
-        self.pool = KVPool(geometry, num_pages, cache.page_size)
+        self.pool = KVPool(geometries[0], num_pages, cache.page_size)
         log_pool("target", self.pool)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.draft_pool = KVPool(geometries[1], num_pages, cache.page_size) if len(geometries) > 1 else None
+        if self.draft_pool is not None:
+            log_pool("draft", self.draft_pool)
+            self.proposer.attach_pool(self.draft_pool)
+        aux_layers = self.proposer.aux_layer_ids if self.proposer is not None else ()
+        self.runner = ModelRunner(self.model, self.pool, aux_layers)
 
         self.max_model_len = min(config.scheduler.max_model_len or ckpt.config.max_position_embeddings,
                                  ckpt.config.max_position_embeddings, num_pages * cache.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len)
+        draft_slots = self.proposer.draft_slots if self.proposer is not None else (lambda req: 0)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len, draft_slots)
         self.eos_token_ids = set(ckpt.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -95,7 +108,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return None
-        self.scheduler.finish(req, "abort")
+        self._finish(req, "abort")
         return self.output(req)
 
     @property
@@ -107,7 +120,12 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        proposal = Proposal.none(len(plan.scheduled))
+        if self.proposer is None:
+            proposal = Proposal.none(len(plan.scheduled))
+        else:
+            for req in plan.preempted:
+                self.proposer.release(req)
+            proposal = self.proposer.propose(plan)
         out = self.runner.forward(plan, proposal)
         result = verify(out.logits, plan, proposal, self.generator)
         return self.commit(plan, proposal, result, out)
@@ -130,6 +148,8 @@ class Engine:
             outputs.append(self.output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.commit(plan, result, out)
         return outputs
 
     def _append(self, req: Request, res) -> int:
@@ -149,9 +169,14 @@ class Engine:
             elif len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
-                self.scheduler.finish(req, reason)
+                self._finish(req, reason)
                 return i + 1
         return len(res.emitted)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        if self.proposer is not None:
+            self.proposer.release(req)
 
     def _hit_stop_string(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
@@ -197,8 +222,9 @@ def engine_config(model_path: str | None = None, **kwargs) -> EngineConfig:
 class LLM:
     """Offline generation: `LLM(model_path=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model_path: str | None = None, checkpoint: LoadedCheckpoint | None = None, **engine_args) -> None:
-        self.engine = Engine(engine_config(model_path, **engine_args), checkpoint)
+    def __init__(self, model_path: str | None = None, checkpoint: LoadedCheckpoint | None = None,
+                 draft_checkpoint: LoadedCheckpoint | None = None, **engine_args) -> None:
+        self.engine = Engine(engine_config(model_path, **engine_args), checkpoint, draft_checkpoint)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -1,0 +1,83 @@
+"""Speculative decoding: the proposer protocol, the registry, and the shared verifier (verify.py).
+
+A proposer drafts tokens for the scheduled requests (`propose`), and after the engine has committed
+a step it learns what was accepted (`commit`), with the target's hidden states of that forward.
+A proposer with its own KV (a draft model) declares its geometry; the engine sizes a draft pool over
+the same page ids as the target's and attaches it."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specserve.config import ModelConfig, SpecConfig
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.types import Proposal, Request, StepPlan, VerifyResult
+
+if TYPE_CHECKING:
+    from specserve.loader import LoadedCheckpoint
+    from specserve.models.llama import LlamaModel
+    from specserve.runner import ForwardOutput
+
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a proposer may know about the target it drafts for."""
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: object
+    dtype: torch.dtype
+
+
+class Proposer(Protocol):
+    kv_geometry: KVGeometry | None           # None: no draft KV pool needed
+    aux_layer_ids: tuple[int, ...]           # target layers whose hidden states `commit` receives
+
+    def attach_pool(self, pool: KVPool) -> None: ...
+    def draft_slots(self, req: Request) -> int: ...
+    def propose(self, plan: StepPlan) -> Proposal: ...
+    def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None: ...
+    def release(self, req: Request) -> None: ...
+
+
+# algorithm → "module:Class"; each class has
+# `build(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> Proposer`
+# where `draft` is an already loaded draft model (tests, embedding); otherwise spec.draft_model_path is loaded.
+PROPOSERS = {
+    "NGRAM": "specserve.spec.ngram:NgramProposer",
+    "STANDALONE": "specserve.spec.draft_model:DraftModelProposer",
+}
+DEFAULT_DRAFT_TOKENS = {"NGRAM": 4, "STANDALONE": 4}
+
+
+def validate_spec(spec: SpecConfig) -> SpecConfig:
+    """Check the flags and fill defaults; every problem is a ValueError naming the flag."""
+    algorithm = spec.algorithm.upper()
+    if algorithm == "NONE":
+        return spec
+    if algorithm not in PROPOSERS:
+        raise ValueError(f"--speculative-algorithm {spec.algorithm!r} is not supported: choose one of "
+                         f"NONE, {', '.join(PROPOSERS)}")
+    k = spec.num_draft_tokens or DEFAULT_DRAFT_TOKENS[algorithm]
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+    if algorithm == "STANDALONE" and not spec.draft_model_path:
+        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path "
+                         "(a small model with the target's tokenizer)")
+    if not 1 <= spec.ngram_min <= spec.ngram_max:
+        raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {spec.ngram_min}..{spec.ngram_max}")
+    return SpecConfig(**{**spec.__dict__, "algorithm": algorithm, "num_draft_tokens": k})
+
+
+def build_proposer(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None = None) -> Proposer | None:
+    if draft is not None and not spec.draft_model_path:
+        spec = SpecConfig(**{**spec.__dict__, "draft_model_path": draft.source})
+    spec = validate_spec(spec)
+    if spec.algorithm == "NONE":
+        return None
+    module, cls = PROPOSERS[spec.algorithm].split(":")
+    return getattr(importlib.import_module(module), cls).build(spec, target, draft)
