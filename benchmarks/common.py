@@ -1,0 +1,35 @@
+"""What every benchmark records next to its numbers: machine, versions, git sha; and the JSON writer."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        sha = ""
+    cpu = ""
+    if Path("/proc/cpuinfo").exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "git_sha": sha,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_result(name: str, summary: dict, details: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"summary": summary, "machine": machine_info(), **details}, indent=2) + "\n")
+    return path

@@ -1,0 +1,58 @@
+"""The command line: JSON output on a tiny model saved to disk, and one-line errors with exit code 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import save_file
+
+from specserve.cli import main
+from specserve.loader.safetensors import hf_config
+from tests.conftest import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    ckpt = tiny_checkpoint("llama")
+    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
+    save_file({k: v.float().contiguous() for k, v in ckpt.weights.items()}, str(folder / "model.safetensors"))
+    ckpt.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_generate_json(tiny_folder, capsys):
+    rc = main(["generate", "--model-path", str(tiny_folder), "--json", "--no-chat", "--max-new-tokens", "5",
+               "--ignore-eos", "hello", "world"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        record = json.loads(line)
+        assert set(record) >= {"text", "token_ids", "finish_reason", "num_tokens", "tokens_per_s"}
+        assert record["num_tokens"] == 5 == len(record["token_ids"]) and record["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-path", "/no/such/model.gguf", "hi"], "does not exist"),
+    (["--max-new-tokens", "0", "hi"], "max_new_tokens"),
+    (["--temperature", "-1", "hi"], "temperature"),
+    (["--top-p", "1.5", "hi"], "top_p"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tiny_folder):
+    if "--model-path" not in args:
+        args = ["--model-path", str(tiny_folder), *args]
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_corrupt_model_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "--model-path", str(bad), "hi"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "corrupt or truncated" in proc.stderr
