@@ -1,0 +1,203 @@
+"""Verify-window planning: hand-computed budgets, batch-size behaviour, the threshold policy, cost tables."""
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve.spec.budget import CostTable, pick_order, plan_budget, plan_threshold, survivals
+
+FLAT = CostTable((1, 64), (0.01, 0.01))
+STEEP = CostTable((1, 2), (1.0, 3.0))            # each extra row costs twice a whole forward
+LINEAR = CostTable((1, 2), (1.0, 1.25))          # t(r) = 1 + (r - 1) / 4
+
+
+def rate(confidences, windows, cost, base=None):
+    base = base or [1] * len(confidences)
+    tokens = len(confidences) + sum(sum(survivals(c)[:w]) for c, w in zip(confidences, windows))
+    return tokens / cost.time(sum(base) + sum(windows))
+
+
+# ---------------------------------------------------------------------------------- survivals
+def test_survivals_are_running_products():
+    assert survivals([0.5, 0.5, 1.0, 0.2]) == pytest.approx([0.5, 0.25, 0.25, 0.05])
+    assert survivals([]) == []
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_confidence_outside_unit_interval_is_rejected(bad):
+    with pytest.raises(ValueError, match="confidence 2"):
+        survivals([0.5, bad])
+
+
+# ---------------------------------------------------------------------------------- plan_budget
+def test_flat_cost_verifies_every_draft_with_positive_survival():
+    # survivals [0.9, 0.45, 0.0] and [0.8]: extra rows are free, a zero survival adds nothing
+    assert plan_budget([[0.9, 0.5, 0.0], [0.8]], FLAT) == [2, 1]
+
+
+def test_steep_cost_verifies_only_the_anchors():
+    assert plan_budget([[0.99, 0.99]], STEEP) == [0]
+    assert plan_budget([[0.99, 0.99], [0.99]], STEEP) == [0, 0]
+
+
+def test_middle_cost_stops_where_tokens_per_second_peak():
+    # S = 0.9, 0.72, 0.36, 0.18 → τ/t = 1/1, 1.9/1.25, 2.62/1.5 (best), 2.98/1.75, 3.16/2
+    assert plan_budget([[0.9, 0.8, 0.5, 0.5]], LINEAR) == [2]
+
+
+def test_budget_goes_to_the_most_likely_drafts_across_requests():
+    # ranked S: 0.9 (r0), 0.81 (r0), 0.5 (r1), 0.25 (r1); rows 2 + m:
+    # 2/1.25, 2.9/1.5, 3.71/1.75 (best), 4.21/2, 4.46/2.25
+    assert plan_budget([[0.9, 0.9], [0.5, 0.5]], LINEAR) == [2, 0]
+
+
+def test_prefill_rows_make_extra_rows_relatively_cheaper():
+    # base 5 rows: 1/2, 1.9/2.25, 2.62/2.5, 2.98/2.75 (best), 3.16/3
+    assert plan_budget([[0.9, 0.8, 0.5, 0.5]], LINEAR, base_rows=[5]) == [3]
+    assert plan_budget([[0.9, 0.8, 0.5, 0.5]], LINEAR, other_rows=4) == [3]
+
+
+def test_no_requests_and_no_drafts():
+    assert plan_budget([], LINEAR) == []
+    assert plan_budget([[], []], LINEAR) == [0, 0]
+
+
+def test_bad_base_rows_are_rejected():
+    with pytest.raises(ValueError, match="2 requests"):
+        plan_budget([[0.5], [0.5]], LINEAR, base_rows=[1])
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_budget([[0.5]], LINEAR, base_rows=[0])
+
+
+def test_windows_shrink_as_confidence_falls():
+    cost = CostTable((1, 8, 16), (0.040, 0.060, 0.100))
+    windows = [plan_budget([[c] * 8], cost)[0] for c in (0.99, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2, 0.05)]
+    assert windows == sorted(windows, reverse=True)
+    assert windows[0] == 8 and windows[-1] == 0
+
+
+def test_large_batches_stop_growing_the_verify_batch():
+    # free up to 16 rows, then each row adds 1/16 of a forward
+    cost = CostTable((1, 16, 32), (0.02, 0.02, 0.04))
+    previous = None
+    for n in range(1, 65):
+        windows = plan_budget([[0.8] * 7] * n, cost)
+        assert n + sum(windows) <= max(n, 16)
+        if previous is not None:
+            assert max(windows) <= previous
+        previous = max(windows)
+        if n <= 2:
+            assert windows == [7] * n
+        if n >= 16:
+            assert windows == [0] * n
+
+
+confidence = st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]) | st.floats(0.0, 1.0)
+batches = st.lists(st.lists(confidence, max_size=5), min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches)
+def test_every_top_m_pick_is_a_prefix_of_each_request(confidences):
+    ranked = pick_order(confidences)
+    for m in range(len(ranked) + 1):
+        for i in range(len(confidences)):
+            picked = sorted(k for _, k, r in ranked[:m] if r == i)
+            assert picked == list(range(1, len(picked) + 1))
+
+
+def test_ties_keep_prefixes():
+    # all survivals equal within and across requests: the order is k first
+    assert [(k, i) for _, k, i in pick_order([[1.0, 1.0], [1.0, 1.0]])] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    # room for exactly one extra row: the tie between the requests' first drafts goes to request 0
+    assert plan_budget([[1.0, 1.0], [1.0, 1.0]], CostTable((1, 3, 4), (1.0, 1.0, 10.0))) == [1, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches, st.sampled_from([FLAT, LINEAR, STEEP, CostTable((1, 4, 8), (1.0, 1.1, 2.0))]))
+def test_plan_is_the_best_of_all_window_choices(confidences, cost):
+    windows = plan_budget(confidences, cost)
+    best = max(rate(confidences, list(ws), cost)
+               for ws in itertools.product(*(range(len(c) + 1) for c in confidences)))
+    assert rate(confidences, windows, cost) == pytest.approx(best, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------- plan_threshold
+def test_threshold_cuts_where_survival_drops_below():
+    # S = 0.9, 0.81, 0.729 | 0.5 | 1, 1, 0
+    confidences = [[0.9, 0.9, 0.9], [0.5], [1.0, 1.0, 0.0]]
+    assert plan_threshold(confidences, 0.8) == [2, 0, 2]
+    assert plan_threshold(confidences, 0.5) == [3, 1, 2]
+    assert plan_threshold(confidences, 0.0) == [3, 1, 3]
+    assert plan_threshold(confidences, 1.0) == [0, 0, 2]
+
+
+def test_threshold_outside_unit_interval_is_rejected():
+    with pytest.raises(ValueError, match="threshold"):
+        plan_threshold([[0.5]], 1.5)
+
+
+# ---------------------------------------------------------------------------------- CostTable
+def test_time_interpolates_and_extrapolates():
+    cost = CostTable((2, 4, 8), (1.0, 2.0, 2.0))
+    assert cost.time(1) == 1.0                     # never below the first point
+    assert cost.time(2) == 1.0
+    assert cost.time(3) == pytest.approx(1.5)
+    assert cost.time(6) == pytest.approx(2.0)
+    assert cost.time(16) == pytest.approx(2.0)     # last segment is flat
+    assert LINEAR.time(9) == pytest.approx(3.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100), st.floats(1e-4, 1.0)), min_size=2, max_size=8,
+                unique_by=lambda p: p[0]))
+def test_measured_tables_are_monotone_and_never_above_the_measurements(points):
+    rows, seconds = zip(*points)
+    cost = CostTable.measured(rows, seconds)
+    assert list(cost.rows) == sorted(rows)
+    times = [cost.time(r) for r in range(0, 150)]
+    assert all(a <= b for a, b in zip(times, times[1:]))
+    for r, s in points:
+        assert cost.time(r) <= s
+
+
+def test_measured_lowers_noisy_points_to_later_ones():
+    cost = CostTable.measured([8, 1, 4, 2], [0.3, 0.1, 0.5, 0.2])
+    assert cost.rows == (1, 2, 4, 8)
+    assert cost.seconds == (0.1, 0.2, 0.3, 0.3)
+
+
+@pytest.mark.parametrize("rows, seconds, message", [
+    ((1, 2), (0.1,), "2 row counts but 1 timings"),
+    ((1,), (0.1,), "at least two points"),
+    ((0, 2), (0.1, 0.2), "integers >= 1"),
+    ((2, 2), (0.1, 0.2), "strictly increasing"),
+    ((1, 2), (0.1, float("inf")), "finite and > 0"),
+    ((1, 2), (0.2, 0.1), "must not fall"),
+])
+def test_invalid_tables_say_what_is_wrong(rows, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        CostTable(rows, seconds)
+
+
+def test_save_load_round_trip(tmp_path):
+    cost = CostTable((1, 8, 32), (0.04, 0.07, 0.16), model="m", dtype="float32")
+    path = tmp_path / "sub" / "cost.json"
+    cost.save(path)
+    assert CostTable.load(path) == cost
+    data = json.loads(path.read_text())
+    assert data["cpu"] and data["threads"] >= 1
+    assert cost.matches("m", "float32")
+    assert not cost.matches("m", "float64") and not cost.matches("other", "float32")
+
+
+def test_loading_a_broken_file_names_it(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"rows": [1, 2]}))
+    with pytest.raises(ValueError, match="cost.json is not a valid cost table"):
+        CostTable.load(path)
+    path.write_text(json.dumps({"rows": [1, 2], "seconds": [0.2, 0.1]}))
+    with pytest.raises(ValueError, match="must not fall"):
+        CostTable.load(path)
