@@ -1,0 +1,130 @@
+"""STANDALONE: a small LM with the target's tokenizer drafts K tokens autoregressively on its own KV
+pool, which shares the target's page ids. Each step first feeds the drafter every token it has not
+seen yet (the whole prompt on a request's first step, afterwards what the verifier emitted), then
+drafts one token per forward; each forward batches all drafting requests of the step."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve import sampling
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.config import SpecConfig
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.loader import LoadedCheckpoint, load_checkpoint
+from specserve.models import ARCHITECTURES
+from specserve.models.llama import LlamaModel
+from specserve.sampling import Purpose
+from specserve.types import Proposal, Request, StepPlan, VerifyResult
+
+if TYPE_CHECKING:
+    from specserve.runner import ForwardOutput
+    from specserve.spec import TargetInfo
+
+
+def check_same_vocabulary(target: TargetInfo, draft: LoadedCheckpoint) -> None:
+    target_name = target.config.name or target.config.architecture
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft model {draft.source} has vocab_size {draft.config.vocab_size} but the target "
+                         f"{target_name} has {target.config.vocab_size}: STANDALONE needs a drafter with the "
+                         "target's tokenizer")
+    if (target.tokenizer is not None and draft.tokenizer is not None
+            and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()):
+        raise ValueError(f"draft model {draft.source} has a different tokenizer from the target {target_name}: "
+                         "STANDALONE needs a drafter with the target's tokenizer")
+
+
+class DraftModelProposer:
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, model: LlamaModel, num_draft_tokens: int) -> None:
+        self.model = model
+        self.k = num_draft_tokens
+        self.kv_geometry = KVGeometry.of(model.config, model.dtype)
+        self.pool: KVPool | None = None
+        self.num_valid: dict[str, int] = {}    # request id → leading tokens whose draft KV is valid
+        self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
+
+    @classmethod
+    def build(cls, spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> DraftModelProposer:
+        if draft is None:
+            draft = load_checkpoint(spec.draft_model_path, target.dtype)
+        check_same_vocabulary(target, draft)
+        # Drafts sit at the target's positions, so the drafter's RoPE table must reach its context.
+        config = dataclasses.replace(draft.config, max_position_embeddings=max(
+            draft.config.max_position_embeddings, target.config.max_position_embeddings))
+        model = ARCHITECTURES[config.architecture](config, draft.weights, target.dtype)
+        return cls(model, spec.num_draft_tokens)
+
+    def attach_pool(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def draft_slots(self, req: Request) -> int:
+        return self.k
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> Proposal:
+        jobs = [(i, s.request, min(self.k, s.max_drafts)) for i, s in enumerate(plan.scheduled)
+                if s.samples and s.max_drafts > 0]
+        if not jobs:
+            return Proposal.none(len(plan.scheduled))
+        drafts: list[list[int]] = [[] for _ in plan.scheduled]
+        probs: list[list[torch.Tensor]] = [[] for _ in plan.scheduled]   # q rows of sampled requests
+
+        tokens, positions, spans, rows = [], [], [], []
+        for _, req, _ in jobs:
+            start = self.num_valid.get(req.request_id, 0)
+            tokens += req.all_token_ids[start:]
+            positions += range(start, req.num_tokens)
+            spans.append(SeqSpan(req.pages, start, req.num_tokens - start))
+            rows.append(len(tokens) - 1)
+        self._choose(jobs, self._forward(tokens, positions, spans, rows), drafts, probs)
+
+        for r in range(1, max(m for *_, m in jobs)):
+            active = [job for job in jobs if job[2] > r]
+            positions = [req.num_tokens + r - 1 for _, req, _ in active]
+            spans = [SeqSpan(req.pages, pos, 1) for (_, req, _), pos in zip(active, positions)]
+            logits = self._forward([drafts[i][-1] for i, _, _ in active], positions, spans, list(range(len(active))))
+            self._choose(active, logits, drafts, probs)
+
+        for _, req, m in jobs:
+            self.num_valid[req.request_id] = req.num_tokens + m - 1   # the last draft is never fed
+        return Proposal(tuple(map(tuple, drafts)), tuple(torch.stack(p) if p else None for p in probs))
+
+    def _forward(self, tokens: list[int], positions: list[int], spans: list[SeqSpan],
+                 rows: list[int]) -> torch.Tensor:
+        """Feed `tokens` into the draft pool → logits of the fed tokens at `rows`, [len(rows), vocab]."""
+        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+        hidden, _ = self.model.forward(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
+        return self.model.logits(hidden[rows])
+
+    def _choose(self, jobs: list[tuple[int, Request, int]], logits: torch.Tensor,   # [len(jobs), vocab]
+                drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+        """Append one draft per job: the argmax for greedy requests, else a sample from the drafter's
+        distribution under the request's own filters, kept as q for the verifier."""
+        for row, (i, req, _) in enumerate(jobs):
+            p = req.params
+            # Penalise as if the drafts so far were accepted, as the verifier will.
+            scores = sampling.apply_penalties(logits[row:row + 1], p, req.prompt_token_ids,
+                                              req.output_token_ids + drafts[i])
+            if p.greedy:
+                token = sampling.greedy_tokens(scores).item()
+            else:
+                q = sampling.process(scores, p)                       # [1, vocab]
+                u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts[i])], Purpose.DRAFT,
+                                           self.generator)
+                token = sampling.sample(q, u).item()
+                probs[i].append(q[0])
+            drafts[i].append(token)
+
+    def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
+        # KV written for rejected drafts is not valid; the next catch-up overwrites it.
+        for s in plan.scheduled:
+            rid = s.request.request_id
+            if rid in self.num_valid:
+                self.num_valid[rid] = min(self.num_valid[rid], s.request.num_computed_tokens)
+
+    def release(self, req: Request) -> None:
+        self.num_valid.pop(req.request_id, None)

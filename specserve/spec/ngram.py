@@ -1,0 +1,68 @@
+"""NGRAM: prompt lookup. The drafts are the tokens that followed the most recent earlier occurrence
+of the request's last n tokens in its own prompt + output; no model, no KV, deterministic drafts."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.kv_pages import KVPool
+from specserve.types import Proposal, Request, StepPlan, VerifyResult
+
+if TYPE_CHECKING:
+    from specserve.loader import LoadedCheckpoint
+    from specserve.runner import ForwardOutput
+    from specserve.spec import TargetInfo
+
+
+def prompt_lookup(tokens: list[int], ngram_min: int, ngram_max: int, num_drafts: int) -> list[int]:
+    """Up to `num_drafts` tokens following the most recent earlier occurrence of the longest suffix
+    n-gram (ngram_max down to ngram_min). The copy may run on into its own drafts, so a loop whose
+    period is shorter than `num_drafts` is extended rather than cut."""
+    if num_drafts <= 0:
+        return []
+    seq = torch.tensor(tokens)
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        # n-grams ending before the last token: every occurrence except the suffix itself
+        hits = (seq[:-1].unfold(0, n, 1) == seq[-n:]).all(dim=1).nonzero()
+        if len(hits):
+            start = hits[-1].item() + n
+            drafts: list[int] = []
+            for i in range(start, start + num_drafts):
+                drafts.append(tokens[i] if i < len(tokens) else drafts[i - len(tokens)])
+            return drafts
+    return []
+
+
+class NgramProposer:
+    kv_geometry = None
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, num_draft_tokens: int, ngram_min: int, ngram_max: int) -> None:
+        self.k = num_draft_tokens
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+
+    @classmethod
+    def build(cls, spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> NgramProposer:
+        return cls(spec.num_draft_tokens, spec.ngram_min, spec.ngram_max)
+
+    def attach_pool(self, pool: KVPool) -> None:
+        raise TypeError("NGRAM keeps no draft KV")
+
+    def draft_slots(self, req: Request) -> int:
+        return self.k
+
+    def propose(self, plan: StepPlan) -> Proposal:
+        drafts = tuple(
+            tuple(prompt_lookup(s.request.all_token_ids, self.ngram_min, self.ngram_max, min(self.k, s.max_drafts)))
+            if s.samples else ()
+            for s in plan.scheduled)
+        return Proposal(drafts, (None,) * len(drafts))
+
+    def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass

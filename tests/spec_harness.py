@@ -1,0 +1,128 @@
+"""Shared by the lossless tests of every proposer: drive an engine step by step (optionally poisoning
+every free KV page with NaN first), capture the target's K/V of each request's committed tokens
+when it finishes, and check that pages, refcounts and proposer state add up."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine import LLM, Engine
+from specserve.kv_pages import KVPool, slots_for
+from specserve.loader import LoadedCheckpoint
+from specserve.types import Request, RequestOutput, SamplingParams, SpecStats
+
+ENGINE_DEFAULTS = {"dtype": "float64", "page_size": 4, "num_pages": 256}
+
+
+@dataclass
+class Run:
+    outputs: list[RequestOutput]                           # in prompt order
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]]       # request id → committed_kv at its finish
+    engine: Engine
+
+
+def make_engine(ckpt: LoadedCheckpoint, draft: LoadedCheckpoint | None = None, **engine_kw) -> Engine:
+    return LLM(checkpoint=ckpt, draft_checkpoint=draft, **{**ENGINE_DEFAULTS, **engine_kw}).engine
+
+
+def run(ckpt: LoadedCheckpoint, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        draft: LoadedCheckpoint | None = None, poison: bool = False, **engine_kw) -> Run:
+    """Generate to the end; with `poison`, every free page of every pool is NaN before each step."""
+    engine = make_engine(ckpt, draft, **engine_kw)
+    kv = capture_kv_at_finish(engine)
+    param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, param_list, strict=True)]
+    finals = {}
+    while engine.has_unfinished:
+        if poison:
+            poison_free_pages(engine)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        assert_consistent(engine)
+    return Run([finals[i] for i in ids], kv, engine)
+
+
+def poison_free_pages(engine: Engine) -> None:
+    free = engine.allocator.free_page_ids()
+    for pool in (engine.pool, engine.draft_pool):
+        if pool is not None:
+            pool.fill_pages(free, float("nan"))
+
+
+def committed_kv(pool: KVPool, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the request's committed tokens, [layers, num_computed_tokens, kv_heads, head_dim] each."""
+    slots = torch.tensor(slots_for(req.pages, 0, req.num_computed_tokens, pool.page_size), dtype=torch.long)
+    return pool.k[:, slots].clone(), pool.v[:, slots].clone()
+
+
+def capture_kv_at_finish(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Wrap the scheduler's finish so each request's target K/V is read before its pages are freed."""
+    captured = {}
+    finish = engine.scheduler.finish
+
+    def capturing(req: Request, reason: str) -> None:
+        if req.pages:
+            captured[req.request_id] = committed_kv(engine.pool, req)
+        finish(req, reason)
+
+    engine.scheduler.finish = capturing
+    return captured
+
+
+def assert_consistent(engine: Engine) -> None:
+    """Refcounts equal the pages held by running requests, the free list is exactly the unheld pages,
+    and a proposer's per-request state (`num_valid`, where it keeps one) names running requests only."""
+    sched, alloc = engine.scheduler, engine.allocator
+    held = Counter(p for r in sched.running for p in r.pages)
+    assert all(not r.pages for r in sched.waiting), "a waiting request holds pages"
+    assert alloc.refcounts == [held[p] for p in range(alloc.num_pages)]
+    assert sorted(alloc.free_page_ids()) == [p for p in range(alloc.num_pages) if not held[p]]
+    tracked = getattr(engine.proposer, "num_valid", {})
+    assert set(tracked) <= {r.request_id for r in sched.running}, "proposer state outlived its request"
+
+
+def assert_stats_consistent(run_: Run, max_drafts: int) -> None:
+    """Per-request stats add up (accept length counts the bonus token) and the engine totals are their sum."""
+    total = SpecStats()
+    for out in run_.outputs:
+        s = out.spec
+        hist = s["accepted_histogram"]
+        assert sum(hist) == s["verify_ct"]
+        assert sum(k * n for k, n in enumerate(hist)) == s["num_accepted_drafts"]
+        assert s["num_accepted_drafts"] <= s["num_proposed_drafts"] <= max_drafts * s["verify_ct"]
+        assert len(hist) <= max_drafts + 1
+        assert s["accept_length"] == round(len(out.token_ids) / s["verify_ct"], 4)
+        total.merge(SpecStats(s["verify_ct"], s["num_proposed_drafts"], s["num_accepted_drafts"],
+                              len(out.token_ids), hist))
+    assert run_.engine.stats.as_dict() == total.as_dict()
+
+
+def mean_accept_length(run_: Run) -> float:
+    return sum(len(o.token_ids) for o in run_.outputs) / sum(o.spec["verify_ct"] for o in run_.outputs)
+
+
+# ---- drafters built from a target checkpoint ------------------------------------------------------
+
+def first_layers(target: LoadedCheckpoint, num_layers: int) -> LoadedCheckpoint:
+    """The target's first layers with its embedding, norm and head: a drafter that often agrees."""
+    def kept(name: str) -> bool:
+        return not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+
+    config = dataclasses.replace(target.config, num_layers=num_layers, name=f"{target.config.name}-first{num_layers}")
+    return LoadedCheckpoint(config, {k: v for k, v in target.weights.items() if kept(k)}, target.tokenizer,
+                            f"{target.source}-first{num_layers}")
+
+
+def shifted_head(target: LoadedCheckpoint) -> LoadedCheckpoint:
+    """The target with its LM head rolled by one token: draft logit v is the target's logit v - 1, so
+    a greedy draft is never the target's argmax and every first draft is rejected."""
+    c = target.config
+    head = target.weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+    config = dataclasses.replace(c, tie_word_embeddings=False, name=f"{c.name}-shifted")
+    return LoadedCheckpoint(config, {**target.weights, "lm_head.weight": head.roll(1, dims=0)}, target.tokenizer,
+                            f"{target.source}-shifted")

@@ -1,0 +1,57 @@
+"""NGRAM prompt lookup: which occurrence it copies from, how far, and what it proposes per request."""
+import pytest
+
+from specserve.engine import LLM
+from specserve.spec.ngram import NgramProposer, prompt_lookup
+from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+
+
+@pytest.mark.parametrize("tokens, ngram_min, ngram_max, k, drafts", [
+    ([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 1, 4, 3, [8, 5, 1]),   # the most recent occurrence wins
+    ([7, 2, 3, 4, 5, 3, 4, 0, 2, 3, 4], 1, 3, 3, [5, 3, 4]),     # the longest n-gram wins...
+    ([7, 2, 3, 4, 5, 3, 4, 0, 2, 3, 4], 1, 2, 3, [0, 2, 3]),     # ...up to ngram_max
+    ([1, 2, 3, 9, 1, 2, 3], 1, 4, 8, [9, 1, 2, 3, 9, 1, 2, 3]),  # a copy reaching the end runs on into its drafts
+    ([4, 4, 4], 1, 4, 4, [4, 4, 4, 4]),
+    ([1, 2, 3, 1], 2, 4, 3, []),                                 # only a 1-gram matches, below ngram_min
+    ([1, 2, 3, 4], 1, 4, 3, []),
+    ([5], 1, 4, 3, []),
+    ([1, 2, 1, 2], 1, 4, 0, []),
+])
+def test_prompt_lookup(tokens, ngram_min, ngram_max, k, drafts):
+    assert prompt_lookup(tokens, ngram_min, ngram_max, k) == drafts
+
+
+def test_propose_respects_reserved_slots_and_prefill_chunks():
+    proposer = NgramProposer(num_draft_tokens=4, ngram_min=1, ngram_max=3)
+    repeating = [1, 2, 3] * 4
+    reqs = [Request(str(i), repeating, SamplingParams()) for i in range(4)]
+    plan = StepPlan((ScheduledRequest(reqs[0], 0, 12, True, 4),
+                     ScheduledRequest(reqs[1], 0, 12, True, 2),      # near max_new_tokens: fewer slots
+                     ScheduledRequest(reqs[2], 0, 6, False, 0),      # a prefill chunk does not sample
+                     ScheduledRequest(reqs[3], 0, 12, True, 0)))
+    proposal = proposer.propose(plan)
+    assert proposal.draft_tokens == ((1, 2, 3, 1), (1, 2), (), ())
+    assert proposal.draft_probs == (None,) * 4
+    assert proposer.draft_slots(reqs[0]) == 4 and proposer.kv_geometry is None
+
+
+def test_engine_passes_ngram_sizes_and_rejects_bad_ones(tiny_llama):
+    llm = LLM(checkpoint=tiny_llama, dtype="float64", num_pages=64, speculative_algorithm="ngram",
+              speculative_ngram_min=2, speculative_ngram_max=3, speculative_num_draft_tokens=6)
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, NgramProposer)
+    assert (proposer.ngram_min, proposer.ngram_max, proposer.k) == (2, 3, 6)
+    assert llm.engine.draft_pool is None
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        LLM(checkpoint=tiny_llama, dtype="float64", num_pages=64, speculative_algorithm="NGRAM",
+            speculative_ngram_min=3, speculative_ngram_max=2)
+
+
+def test_repetitive_text_is_drafted_and_accepted(tiny_llama):
+    # The tiny random model falls into loops quickly; a loop is exactly what prompt lookup drafts.
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    plain = LLM(checkpoint=tiny_llama, dtype="float64", num_pages=64).generate([[3, 1, 4, 1, 5]], params)[0]
+    out = LLM(checkpoint=tiny_llama, dtype="float64", num_pages=64, speculative_algorithm="NGRAM",
+              speculative_num_draft_tokens=8).generate([[3, 1, 4, 1, 5]], params)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.spec["accept_length"] > 2 and out.spec["num_accepted_drafts"] > 0

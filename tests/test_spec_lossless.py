@@ -1,0 +1,167 @@
+"""Speculation must not change what the engine emits: the matrix of algorithms × K × batch against
+plain decoding (tokens, logprobs, target KV), with free pages poisoned, plus preemption, sampled
+runs and a randomized page-leak test. A new proposer joins every test by adding itself to CASES."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specserve.types import SamplingParams
+from tests.spec_harness import (assert_consistent, assert_stats_consistent, first_layers, make_engine,
+                                mean_accept_length, run, shifted_head)
+
+# name → (engine kwargs for a target checkpoint, the mean accept length it must reach at K=8, batch 4)
+CASES = {
+    "ngram": (lambda target: {"speculative_algorithm": "NGRAM"}, 1.5),
+    "standalone-agree": (lambda target: {"speculative_algorithm": "STANDALONE",
+                                         "draft": first_layers(target, 1)}, 2.0),
+    "standalone-disagree": (lambda target: {"speculative_algorithm": "STANDALONE",
+                                            "draft": shifted_head(target)}, None),
+}
+KS = [1, 2, 4, 5, 8, 16]
+BATCHES = [1, 4, 16]
+MATRIX_ENGINE = {"max_num_batched_tokens": 64}   # batch 16 prefills in chunks and is budget-bound
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts, every other one a repeated phrase so n-gram lookup finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            phrase = [rng.randrange(256) for _ in range(rng.randrange(2, 6))]
+            prompts.append(phrase * rng.randrange(2, 6) + [rng.randrange(256)])
+        else:
+            prompts.append([rng.randrange(256) for _ in range(rng.randrange(1, 40))])
+    return prompts
+
+
+PROMPTS = make_prompts(16)
+GREEDY = [SamplingParams(temperature=0.0, max_new_tokens=8 + 7 * i % 25, ignore_eos=True, logprobs=True,
+                         top_logprobs=2) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """Plain decoding of all 16 prompts; each request's result does not depend on its batch."""
+    return run(tiny_llama, PROMPTS, GREEDY, **MATRIX_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec_kwargs(tiny_llama):
+    return functools.cache(lambda case: CASES[case][0](tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def spec_run(tiny_llama, spec_kwargs):
+    @functools.cache
+    def go(case: str, k: int, batch: int, poison: bool = True):
+        return run(tiny_llama, PROMPTS[:batch], GREEDY[:batch], poison=poison, speculative_num_draft_tokens=k,
+                   **MATRIX_ENGINE, **spec_kwargs(case))
+    return go
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch):
+    spec = spec_run(case, k, batch)
+    for i, (got, want) in enumerate(zip(spec.outputs, plain.outputs)):
+        assert got.token_ids == want.token_ids, f"request {i} differs from plain decoding"
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-9
+        for a, b in zip(got.top_logprobs, want.top_logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-9
+        for got_kv, want_kv in zip(spec.kv[got.request_id], plain.kv[want.request_id]):
+            # Exact up to float64 rounding: a verify window and a decode step multiply different shapes.
+            torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=1e-12)
+    assert_stats_consistent(spec, k)
+    alloc = spec.engine.allocator
+    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_acceptance_is_what_the_drafter_promises(spec_run, case):
+    accept = mean_accept_length(spec_run(case, 8, 4))
+    minimum = CASES[case][1]
+    if minimum is None:
+        assert accept == 1.0, "a drafter whose argmax is never the target's got a draft accepted"
+    else:
+        assert accept > minimum
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_poisoned_free_pages_change_nothing(spec_run, case):
+    clean, poisoned = spec_run(case, 4, 16, poison=False), spec_run(case, 4, 16)
+    assert [o.token_ids for o in poisoned.outputs] == [o.token_ids for o in clean.outputs]
+    assert [o.spec for o in poisoned.outputs] == [o.spec for o in clean.outputs]
+    assert poisoned.engine.stats == clean.engine.stats
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_preemption_under_speculation_recomputes_both_pools(tiny_llama, spec_kwargs, case):
+    prompts = make_prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    spec = run(tiny_llama, prompts, params, poison=True, num_pages=24, speculative_num_draft_tokens=4,
+               **spec_kwargs(case))
+    assert sum(o.num_preemptions for o in spec.outputs) > 0, "the pool was meant to be too small"
+    plain = run(tiny_llama, prompts, params)
+    assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampled_speculation_is_reproducible_and_valid(tiny_llama, spec_kwargs, case):
+    prompts = make_prompts(4, seed=7)
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=100 + i, max_new_tokens=12, ignore_eos=True,
+                             logprobs=True, top_logprobs=5) for i in range(4)]
+    kw = {"speculative_num_draft_tokens": 4, **spec_kwargs(case)}
+    batched = run(tiny_llama, prompts, params, **kw)
+    alone = run(tiny_llama, prompts[2:3], params[2:3], **kw)
+    assert alone.outputs[0].token_ids == batched.outputs[2].token_ids
+    for out in batched.outputs:
+        assert len(out.token_ids) == 12
+        # top_k=5 keeps the five most likely tokens, which are the five top logprobs
+        assert all(tok in top for tok, top in zip(out.token_ids, out.top_logprobs))
+    assert_stats_consistent(batched, 4)
+    reseeded = run(tiny_llama, prompts, [SamplingParams(**{**p.__dict__, "seed": p.seed + 50}) for p in params], **kw)
+    assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in batched.outputs]
+    unseeded = run(tiny_llama, prompts, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True), **kw)
+    assert all(len(o.token_ids) == 12 for o in unseeded.outputs)
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.lists(st.integers(0, 255), min_size=4, max_size=20),
+              st.integers(4, 16), st.booleans()),
+    st.tuples(st.just("abort"), st.integers(0, 63)),
+    st.tuples(st.just("step")),
+), max_size=40)
+
+
+@pytest.mark.parametrize("case", CASES)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, spec_kwargs, case, ops):
+    engine = make_engine(tiny_llama, num_pages=7, speculative_num_draft_tokens=4, **spec_kwargs(case))
+    live: list[str] = []
+    for op in ops:
+        if op[0] == "submit":
+            _, prompt, max_new, greedy = op
+            params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=max_new, ignore_eos=True)
+            live.append(engine.add_request(prompt, params))
+        elif op[0] == "abort" and live:
+            engine.abort(live.pop(op[1] % len(live)))
+        else:
+            engine.step()
+        assert_consistent(engine)
+    for _ in range(1000):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        assert_consistent(engine)
+    alloc = engine.allocator
+    assert not engine.has_unfinished and alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+    assert not getattr(engine.proposer, "num_valid", {})
