@@ -85,6 +85,12 @@ def test_logprobs_are_the_models_log_softmax(tiny_llama):
         assert top[tok] == pytest.approx(lp) and len(top) == 3 and lp <= 0
 
 
+def test_top_logprobs_without_logprobs_flag(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True, top_logprobs=2)
+    out = make_llm(tiny_llama).generate([[5, 6, 7]], params)[0]
+    assert len(out.top_logprobs) == 3 and all(len(t) == 2 for t in out.top_logprobs)
+
+
 def test_stop_token_and_max_tokens_and_eos(tiny_llama):
     llm = make_llm(tiny_llama)
     free_run = llm.generate([[1, 2, 3]], GREEDY)[0]

@@ -11,7 +11,7 @@ from specserve.types import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
-PROMPT = "What is the capital of France? Answer in one sentence, then list three facts about it."
+PROMPT = "Write a detailed paragraph about the history of Paris, then list five famous landmarks."
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,9 @@ def test_greedy_text_equals_transformers_first_64_tokens(llm):
                                                           torch_dtype=torch.float32).eval()
     ids = llm.engine.encode(PROMPT, chat=True)
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, len(ids):]
-    out = llm.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True))[0]
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):]
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=64))[0]
+    assert len(out.token_ids) == 64
     assert out.token_ids == ref.tolist()
     assert llm.tokenizer.decode(out.token_ids) == llm.tokenizer.decode(ref)
 

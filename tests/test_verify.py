@@ -139,7 +139,8 @@ def test_top_logprobs_without_logprobs():
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(6))
     result = verify(logits, _plan([_request(SamplingParams(temperature=0.0, top_logprobs=20))]),
                     Proposal.none(1)).per_request[0]
-    assert result.logprobs == () and len(result.top_logprobs[0]) == 20
+    assert len(result.logprobs) == 1 and len(result.top_logprobs[0]) == 20
+    assert result.top_logprobs[0][result.emitted[0]] == result.logprobs[0]
 
 
 # ---------------------------------------------------------------------------------- seeds

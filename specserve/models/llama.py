@@ -10,20 +10,19 @@ import torch.nn.functional as F
 from specserve.attention.sdpa import AttentionMetadata, paged_attention
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVPool
-from specserve.models.layers import Rope, apply_rope, rms_norm, transposed
+from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor        # [hidden]
-    qkv: torch.Tensor               # [hidden, (heads + 2 * kv_heads) * head_dim]
-    qkv_bias: torch.Tensor | None   # [(heads + 2 * kv_heads) * head_dim]
+    qkv: Linear                     # hidden → (heads + 2 * kv_heads) * head_dim, bias for Qwen2
     q_norm: torch.Tensor | None     # [head_dim]
     k_norm: torch.Tensor | None
-    o: torch.Tensor                 # [heads * head_dim, hidden]
+    o: Linear                       # heads * head_dim → hidden
     post_norm: torch.Tensor         # [hidden]
-    gate_up: torch.Tensor           # [hidden, 2 * intermediate]
-    down: torch.Tensor              # [intermediate, hidden]
+    gate_up: Linear                 # hidden → 2 * intermediate
+    down: Linear                    # intermediate → hidden
 
 
 class LlamaModel:
@@ -38,7 +37,8 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")                       # [vocab, hidden]
         head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = transposed(head)                                  # [hidden, vocab]
+        self.head = Linear(head, plain_single_row=True)
+        self.lm_head = self.head.plain                                   # [hidden, vocab]
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -47,14 +47,13 @@ class LlamaModel:
             bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None)
             self.layers.append(DecoderLayer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=transposed(qkv),
-                qkv_bias=bias,
+                qkv=Linear(qkv, bias),
                 q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=w(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                o=transposed(w(p + "self_attn.o_proj.weight")),
+                o=Linear(w(p + "self_attn.o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=transposed(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=transposed(w(p + "mlp.down_proj.weight")),
+                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=Linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
         self.scale = config.head_dim ** -0.5
@@ -70,9 +69,7 @@ class LlamaModel:
         aux = []
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = h @ layer.qkv
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
@@ -80,14 +77,14 @@ class LlamaModel:
                 q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            x = x + paged_attention(q, k, v, i, pool, meta, self.scale) @ layer.o
+            x = x + layer.o(paged_attention(q, k, v, i, pool, meta, self.scale))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = (h @ layer.gate_up).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.down
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
             if i in aux_layer_ids:
                 aux.append(x)
         return rms_norm(x, self.final_norm, c.rms_norm_eps), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] → [num_rows, vocab]
-        return hidden @ self.lm_head
+        return self.head(hidden)

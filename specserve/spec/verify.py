@@ -194,7 +194,7 @@ def _results(
         lp, top = (), ()
         if _wants_logprobs(b):
             n, k = len(tokens), params.top_logprobs
-            lp = tuple(chosen[i:i + n]) if params.logprobs else ()
+            lp = tuple(chosen[i:i + n])
             top = tuple(dict(itertools.islice(d.items(), k)) for d in tops[i:i + n]) if k else ()
             i += n
         results[b.index] = RequestVerifyResult(tokens, len(tokens) - 1, lp, top)

@@ -1,0 +1,283 @@
+"""The block drafter of DFLASH and DSPARK (DESIGN.md §3).
+
+Context: the target's residual stream after `target_layer_ids` is concatenated per committed token,
+projected by `fc` and normalised; each draft layer turns it into K/V (RoPE at the token's absolute
+position) in the draft pool. Block: gamma rows, the anchor's embedding then the mask token's, at the
+positions after the context; one non-causal forward over them gives hidden states, and row k
+predicts the token at anchor + k + 1. Embedding and LM head are the target's; a token map restricts
+the head to a draft vocabulary of V_d target tokens.
+DSPARK adds a rank-r Markov head (row k's logits += W2(W1[prev_k])) and a confidence head
+(c_k = sigmoid(Linear([h_k; W1[prev_k]]) / T_k)).
+
+The checkpoint is a folder: config.json (the fields of BlockDrafterConfig plus `architectures`) and
+model.safetensors in Hugging Face layout ([out, in] weights); the optional int64 tensor `token_map`
+lists the target id of each draft id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specserve.attention.sdpa import AttentionMetadata
+from specserve.config import ModelConfig
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.loader import ModelLoadError
+from specserve.models.layers import Linear, apply_rope, rms_norm
+from specserve.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "BlockDrafter"
+
+
+@dataclass(frozen=True)
+class BlockDrafterConfig:
+    algorithm: str                        # "DFLASH" | "DSPARK"
+    target_layer_ids: tuple[int, ...]     # target layers whose output forms the context, increasing
+    block_size: int                       # rows the drafter was trained with (gamma <= block_size)
+    num_hidden_layers: int
+    hidden_size: int                      # = the target's: the embedding and LM head are shared
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    mask_token_id: int                    # target token id embedded in rows 1.. of the block
+    draft_vocab_size: int                 # V_d; < the target's vocabulary needs a token map
+    target_name: str
+    target_hidden_size: int
+    target_vocab_size: int
+    markov_rank: int = 0                  # r; DSPARK only
+    confidence_temperatures: tuple[float, ...] = ()   # T_k per row; DSPARK only
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+
+    def to_json(self) -> dict:
+        return {"architectures": [ARCHITECTURE], **dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_json(data: dict, source: str) -> BlockDrafterConfig:
+        if data.get("architectures") != [ARCHITECTURE]:
+            raise ModelLoadError(f"{source} is not a block drafter checkpoint (architectures "
+                                 f"{data.get('architectures')}, expected [{ARCHITECTURE!r}])")
+        fields = {f.name: f for f in dataclasses.fields(BlockDrafterConfig)}
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise ModelLoadError(f"{source}/config.json lacks {', '.join(missing)}")
+        values = {n: data[n] for n in fields if n in data}
+        values["target_layer_ids"] = tuple(values["target_layer_ids"])
+        values["confidence_temperatures"] = tuple(values.get("confidence_temperatures", ()))
+        return BlockDrafterConfig(**values)
+
+
+def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint (bar the optional token map) and its Hugging Face shape."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"fc.weight": (h, len(c.target_layer_ids) * c.target_hidden_size), "hidden_norm.weight": (h,),
+              "model.norm.weight": (h,)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.down_proj.weight": (h, c.intermediate_size),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+    if c.algorithm == "DSPARK":
+        r, vd = c.markov_rank, c.draft_vocab_size
+        shapes |= {"markov.w1.weight": (vd, r), "markov.w2.weight": (vd, r), "confidence.weight": (1, h + r),
+                   "confidence.bias": (1,)}
+    return shapes
+
+
+@dataclass
+class BlockDrafterCheckpoint:
+    config: BlockDrafterConfig
+    weights: dict[str, torch.Tensor]      # Hugging Face layout; "token_map" ([V_d] int64) is optional
+    source: str = ""
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=1))
+        save_file({k: v.contiguous() for k, v in self.weights.items()}, str(folder / "model.safetensors"))
+
+    @staticmethod
+    def load(folder: str | Path) -> BlockDrafterCheckpoint:
+        folder = Path(folder)
+        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+            raise ModelLoadError(f"{folder} is not a block drafter checkpoint: --speculative-draft-model-path "
+                                 "needs a folder with config.json and model.safetensors")
+        try:
+            config = BlockDrafterConfig.from_json(json.loads((folder / "config.json").read_text()), str(folder))
+            weights = load_file(str(folder / "model.safetensors"))
+        except (json.JSONDecodeError, SafetensorError) as e:
+            raise ModelLoadError(f"{folder} is corrupt ({e})") from e
+        return BlockDrafterCheckpoint(config, weights, str(folder))
+
+    def validate(self, algorithm: str, target: ModelConfig, token_map: torch.Tensor | None) -> None:
+        """Raise ModelLoadError at startup for anything that does not fit the target or the algorithm."""
+        c, src = self.config, self.source or "the block drafter"
+        target_name = target.name or target.architecture
+
+        def bad(why: str) -> ModelLoadError:
+            return ModelLoadError(f"{src} cannot draft for {target_name}: {why}")
+
+        if c.algorithm != algorithm:
+            raise bad(f"it is a {c.algorithm} drafter; run it with --speculative-algorithm {c.algorithm}")
+        if c.target_name and target.name and c.target_name != target.name:
+            log.warning("%s was trained for %s, not %s", src, c.target_name, target.name)
+        if c.target_hidden_size != target.hidden_size or c.hidden_size != target.hidden_size:
+            raise bad(f"it was built for hidden size {c.target_hidden_size} (its own {c.hidden_size}) but the "
+                      f"target's is {target.hidden_size}")
+        if c.target_vocab_size != target.vocab_size:
+            raise bad(f"it was built for a vocabulary of {c.target_vocab_size} but the target has {target.vocab_size}")
+        ids = c.target_layer_ids
+        if not ids or any(not 0 <= i < target.num_layers for i in ids) or list(ids) != sorted(set(ids)):
+            raise bad(f"target_layer_ids {list(ids)} must be increasing layer ids in [0, {target.num_layers})")
+        if not 0 <= c.mask_token_id < target.vocab_size:
+            raise bad(f"mask_token_id {c.mask_token_id} is outside the vocabulary [0, {target.vocab_size})")
+        if c.block_size < 1 or c.num_hidden_layers < 1:
+            raise bad("block_size and num_hidden_layers must be >= 1")
+        if algorithm == "DSPARK" and (c.markov_rank < 1 or len(c.confidence_temperatures) != c.block_size
+                                      or any(t <= 0 for t in c.confidence_temperatures)):
+            raise bad("DSPARK needs markov_rank >= 1 and one positive confidence temperature per block row")
+        for name, shape in weight_shapes(c).items():
+            if name not in self.weights:
+                raise bad(f"tensor {name} is missing")
+            if tuple(self.weights[name].shape) != shape:
+                raise bad(f"tensor {name} has shape {list(self.weights[name].shape)}, expected {list(shape)}")
+        token_map = token_map if token_map is not None else self.weights.get("token_map")
+        if token_map is None:
+            if c.draft_vocab_size != target.vocab_size:
+                raise bad(f"its draft vocabulary has {c.draft_vocab_size} tokens but there is no token map; "
+                          "pass --speculative-token-map")
+        elif (token_map.shape != (c.draft_vocab_size,) or token_map.dtype.is_floating_point
+              or len(token_map.unique()) != len(token_map)
+              or not 0 <= int(token_map.min()) <= int(token_map.max()) < target.vocab_size):
+            raise bad(f"the token map must hold {c.draft_vocab_size} distinct target token ids, got "
+                      f"{token_map.dtype} of shape {list(token_map.shape)}")
+
+
+def load_token_map(path: str | Path) -> torch.Tensor:
+    """--speculative-token-map: a torch.save'd 1-D integer tensor of target ids, one per draft id."""
+    try:
+        token_map = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise ModelLoadError(f"cannot read the token map {path} ({e})") from e
+    return torch.as_tensor(token_map)
+
+
+def default_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` target layers spread evenly from the first to the last."""
+    count = min(count, num_target_layers)
+    return tuple(sorted({round(i * (num_target_layers - 1) / max(count - 1, 1)) for i in range(count)}))
+
+
+def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_layers: int = 1,
+                         block_size: int = 16, target_layer_ids: tuple[int, ...] | None = None,
+                         markov_rank: int = 8, token_map: torch.Tensor | None = None,
+                         mask_token_id: int | None = None, qk_norm: bool = False, seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> BlockDrafterCheckpoint:
+    """A randomly initialised drafter for `target` (tests, and the starting point of training)."""
+    dspark = algorithm == "DSPARK"
+    config = BlockDrafterConfig(
+        algorithm=algorithm, target_layer_ids=target_layer_ids or default_layer_ids(target.num_layers),
+        block_size=block_size, num_hidden_layers=num_layers, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads, head_dim=target.head_dim,
+        mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        draft_vocab_size=target.vocab_size if token_map is None else len(token_map),
+        target_name=target.name, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+        markov_rank=markov_rank if dspark else 0,
+        confidence_temperatures=(1.0,) * block_size if dspark else (),
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=qk_norm)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:
+            weights[name] = torch.zeros(shape, dtype=dtype) if name.endswith("bias") else torch.ones(shape, dtype=dtype)
+        else:
+            weights[name] = torch.randn(shape, generator=generator, dtype=dtype) * shape[1] ** -0.5
+    if token_map is not None:
+        weights["token_map"] = token_map.long()
+    return BlockDrafterCheckpoint(config, weights, f"random {algorithm} drafter")
+
+
+class BlockDrafter:
+    """A drafter at runtime, over the target's embedding and LM head (restricted to the draft vocabulary)."""
+
+    def __init__(self, ckpt: BlockDrafterCheckpoint, target: LlamaModel, token_map: torch.Tensor | None = None) -> None:
+        c, t = ckpt.config, target.config
+        self.config = c
+        self.dtype = target.dtype
+        token_map = token_map if token_map is not None else ckpt.weights.get("token_map")
+        vocab_head = target.lm_head.t() if token_map is None else target.lm_head.t()[token_map.long()]   # [V_d, hidden]
+        self.token_map = torch.arange(t.vocab_size) if token_map is None else token_map.long()   # draft id → target id
+        # target id → draft id; a token outside the map points at an all-zero Markov row
+        self.to_draft = torch.full((t.vocab_size,), c.draft_vocab_size, dtype=torch.long)
+        self.to_draft[self.token_map] = torch.arange(c.draft_vocab_size)
+
+        layers = ModelConfig("qwen3" if c.qk_norm else "llama", t.vocab_size, c.hidden_size, c.intermediate_size,
+                             c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                             c.rms_norm_eps, c.rope_theta, t.max_position_embeddings, qk_norm=c.qk_norm,
+                             name=f"{c.algorithm} drafter")
+        w = {k: v.to(self.dtype) for k, v in ckpt.weights.items() if k != "token_map"}
+        self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed, "lm_head.weight": vocab_head},
+                                self.dtype)
+        if token_map is None:
+            self.model.head = target.head                  # shared, with its prepacked weight
+        self.kv_geometry = KVGeometry.of(layers, self.dtype)
+        self.fc = Linear(w["fc.weight"])                    # layers * target hidden → hidden
+        self.hidden_norm = w["hidden_norm.weight"]
+        # The context needs only K and V of each layer: a small copy of those rows skips Q.
+        self.context_kv = [Linear(torch.cat([w[f"model.layers.{i}.self_attn.k_proj.weight"],
+                                             w[f"model.layers.{i}.self_attn.v_proj.weight"]]))
+                           for i in range(c.num_hidden_layers)]
+        self.markov = c.algorithm == "DSPARK"
+        if self.markov:
+            self.w1 = torch.cat([w["markov.w1.weight"], w["markov.w1.weight"].new_zeros(1, c.markov_rank)])  # [V_d + 1, r]
+            self.w2 = Linear(w["markov.w2.weight"])        # r → V_d
+            self.confidence_head = Linear(w["confidence.weight"], w["confidence.bias"])   # hidden + r → 1
+            self.temperatures = torch.tensor(c.confidence_temperatures, dtype=self.dtype)   # [block_size]
+
+    def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
+        """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]."""
+        c = self.config
+        ctx = rms_norm(self.fc(aux), self.hidden_norm, c.rms_norm_eps)
+        cos, sin = self.model.rope.tables(positions)
+        kv_size = c.num_key_value_heads * c.head_dim
+        for i, (layer, context_kv) in enumerate(zip(self.model.layers, self.context_kv)):
+            kv = context_kv(ctx)
+            k = kv[:, :kv_size].view(-1, c.num_key_value_heads, c.head_dim)
+            v = kv[:, kv_size:].view(-1, c.num_key_value_heads, c.head_dim)
+            if layer.k_norm is not None:
+                k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            pool.write(i, slots, apply_rope(k, cos, sin), v)
+
+    def block_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     pool: KVPool) -> torch.Tensor:
+        """input_ids, positions: [n] block rows (spans non-causal) → final-normed hidden [n, hidden]."""
+        return self.model.forward(input_ids, positions, meta, pool)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [n, hidden] → [n, V_d] over the draft vocabulary
+        return self.model.logits(hidden)
+
+    def markov_logits(self, prev: torch.Tensor) -> torch.Tensor:
+        # prev: [n] target ids of each row's previous token → [n, V_d]
+        return self.w2(self.w1[self.to_draft[prev]])
+
+    def confidence(self, hidden: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # hidden: [n, hidden]; prev: [n] target ids; rows: [n] row index k in the block → c_k: [n]
+        features = torch.cat([hidden, self.w1[self.to_draft[prev]]], dim=-1)
+        return torch.sigmoid(self.confidence_head(features).squeeze(-1) / self.temperatures[rows])
