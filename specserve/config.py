@@ -49,6 +49,10 @@ class SpecConfig:
     draft_model_path: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    dspark_block_size: int = 8                          # gamma: block rows = drafts (DFLASH, DSPARK)
+    dspark_confidence_threshold: float | None = None    # None: the budget planner sizes DSPARK windows
+    dspark_cost_table_path: str | None = None           # None: measure a small cost table at startup
+    token_map_path: str | None = None                   # draft vocabulary, overrides the checkpoint's
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+                   p + "mlp.up_proj.weight": (c.intermediate_size, h),
                    p + "mlp.down_proj.weight": (h, c.intermediate_size),
                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if c.qk_norm:
@@ -219,10 +220,11 @@ class BlockDrafter:
     def __init__(self, ckpt: BlockDrafterCheckpoint, target: LlamaModel, token_map: torch.Tensor | None = None) -> None:
         c, t = ckpt.config, target.config
         self.config = c
-        self.dtype = target.dtype
+        dtype = target.dtype
         token_map = token_map if token_map is not None else ckpt.weights.get("token_map")
         vocab_head = target.lm_head.t() if token_map is None else target.lm_head.t()[token_map.long()]   # [V_d, hidden]
-        self.token_map = torch.arange(t.vocab_size) if token_map is None else token_map.long()   # draft id → target id
+        # draft id → target id
+        self.token_map = torch.arange(t.vocab_size) if token_map is None else token_map.long()
         # target id → draft id; a token outside the map points at an all-zero Markov row
         self.to_draft = torch.full((t.vocab_size,), c.draft_vocab_size, dtype=torch.long)
         self.to_draft[self.token_map] = torch.arange(c.draft_vocab_size)
@@ -231,24 +233,25 @@ class BlockDrafter:
                              c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                              c.rms_norm_eps, c.rope_theta, t.max_position_embeddings, qk_norm=c.qk_norm,
                              name=f"{c.algorithm} drafter")
-        w = {k: v.to(self.dtype) for k, v in ckpt.weights.items() if k != "token_map"}
+        w = {k: v.to(dtype) for k, v in ckpt.weights.items() if k != "token_map"}
         self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed, "lm_head.weight": vocab_head},
-                                self.dtype)
+                                dtype)
         if token_map is None:
             self.model.head = target.head                  # shared, with its prepacked weight
-        self.kv_geometry = KVGeometry.of(layers, self.dtype)
+        self.kv_geometry = KVGeometry.of(layers, dtype)
         self.fc = Linear(w["fc.weight"])                    # layers * target hidden → hidden
         self.hidden_norm = w["hidden_norm.weight"]
         # The context needs only K and V of each layer: a small copy of those rows skips Q.
         self.context_kv = [Linear(torch.cat([w[f"model.layers.{i}.self_attn.k_proj.weight"],
                                              w[f"model.layers.{i}.self_attn.v_proj.weight"]]))
                            for i in range(c.num_hidden_layers)]
-        self.markov = c.algorithm == "DSPARK"
+        self.markov = c.algorithm == "DSPARK"             # with the Markov and confidence heads
         if self.markov:
-            self.w1 = torch.cat([w["markov.w1.weight"], w["markov.w1.weight"].new_zeros(1, c.markov_rank)])  # [V_d + 1, r]
+            w1 = w["markov.w1.weight"]
+            self.w1 = torch.cat([w1, w1.new_zeros(1, c.markov_rank)])   # [V_d + 1, r]
             self.w2 = Linear(w["markov.w2.weight"])        # r → V_d
             self.confidence_head = Linear(w["confidence.weight"], w["confidence.bias"])   # hidden + r → 1
-            self.temperatures = torch.tensor(c.confidence_temperatures, dtype=self.dtype)   # [block_size]
+            self.temperatures = torch.tensor(c.confidence_temperatures, dtype=dtype)   # [block_size]
 
     def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
         """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]."""

@@ -1,0 +1,338 @@
+"""DFLASH and DSPARK through the engine: lossless against plain decoding over gamma × batch × window
+policy with NaN-poisoned free pages (tokens, logprobs, target KV), the draft context against a
+from-scratch recomputation (also after preemption), identical proposals with and without poison,
+sampled runs, and page/state leaks under random traffic."""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.engine import Engine
+from specserve.kv_pages import KVGeometry, KVPool, slots_for
+from specserve.loader import LoadedCheckpoint
+from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
+from specserve.profile import STARTUP_ROWS
+from specserve.spec.budget import CostTable
+from specserve.types import Request, SamplingParams
+from tests.spec_harness import (Run, assert_consistent, assert_stats_consistent, capture_kv_at_finish, make_engine,
+                                mean_accept_length, poison_free_pages, run)
+from tests.test_block_drafter import record_proposals
+from tests.test_spec_lossless import BATCHES, GREEDY, MATRIX_ENGINE, PROMPTS, make_prompts
+
+GAMMAS = [1, 2, 4, 5, 8, 16]
+
+
+def agreeing_drafter(target: LoadedCheckpoint, outputs: list[list[int]]) -> BlockDrafterCheckpoint:
+    """A DSPARK drafter that memorised the target's greedy outputs on PROMPTS: its Markov head maps each
+    token to the one most often seen after it (one rank per transition, dominating the random base
+    logits). Its confidence head is sure after half of those tokens and unsure after all others, so
+    windows get cut on chains that the drafter would in fact get right."""
+    pairs = Counter((a, b) for out in outputs for a, b in zip(out, out[1:]))
+    following = {}
+    for (a, b), _ in pairs.most_common():
+        following.setdefault(a, b)
+    vocab = sorted({t for pair in following.items() for t in pair} | set(range(0, 257, 3)))
+    draft_id = {t: i for i, t in enumerate(vocab)}
+    ckpt = random_block_drafter(target.config, token_map=torch.tensor(vocab), markov_rank=len(following), seed=5,
+                                dtype=torch.float64)
+    w = ckpt.weights
+    w["markov.w1.weight"].zero_()
+    w["markov.w2.weight"].zero_()
+    for j, (a, b) in enumerate(following.items()):
+        w["markov.w1.weight"][draft_id[a], j] = 1.0
+        w["markov.w2.weight"][draft_id[b], j] = 1e3
+    w["confidence.weight"].zero_()[0, target.config.hidden_size::2] = 8.0
+    w["confidence.bias"].fill_(-4.0)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama) -> Run:
+    return run(tiny_llama, PROMPTS, GREEDY, **MATRIX_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("drafters")
+    ckpts = {
+        "dflash": random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, qk_norm=True, seed=1,
+                                       dtype=torch.float64),
+        "dspark": random_block_drafter(tiny_llama.config, token_map=torch.arange(128) * 2, seed=2, dtype=torch.float64),
+        "agree": agreeing_drafter(tiny_llama, [o.token_ids for o in plain.outputs]),
+    }
+    for name, ckpt in ckpts.items():
+        ckpt.save(root / name)
+    # Each extra verify row costs a tenth of a one-row forward: a fixed table keeps runs deterministic.
+    CostTable((1, 64), (1.0, 7.3)).save(root / "cost.json")
+    return {name: str(root / name) for name in [*ckpts, "cost.json"]}
+
+
+CASES = {
+    "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
+    "dspark-budget": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
+                                "speculative_dspark_cost_table_path": d["cost.json"]},
+    "dspark-threshold": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
+                                   "speculative_dspark_confidence_threshold": 0.5},
+    "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
+                                "speculative_dspark_cost_table_path": d["cost.json"]},
+}
+
+
+def drive(engine: Engine, prompts, params, poison: bool = True) -> Run:
+    """Generate to the end like spec_harness.run, on an engine the caller has already hooked."""
+    kv = capture_kv_at_finish(engine)
+    param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, param_list, strict=True)]
+    finals = {}
+    while engine.has_unfinished:
+        if poison:
+            poison_free_pages(engine)
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
+        assert_consistent(engine)
+    return Run([finals[i] for i in ids], kv, engine)
+
+
+def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """At each request's finish: the tokens its draft context covers and that context's K and V."""
+    captured = {}
+    finish = engine.scheduler.finish
+
+    def capturing(req: Request, reason: str) -> None:
+        n = engine.proposer.num_valid.get(req.request_id, 0)
+        if req.pages and n:
+            slots = torch.tensor(slots_for(req.pages, 0, n, engine.draft_pool.page_size))
+            captured[req.request_id] = (req.all_token_ids[:n], engine.draft_pool.k[:, slots].clone(),
+                                        engine.draft_pool.v[:, slots].clone())
+        finish(req, reason)
+
+    engine.scheduler.finish = capturing
+    return captured
+
+
+def reference_context(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft context of `tokens` from one target prefill over all of them, in scratch pools."""
+    n, page_size = len(tokens), 4
+    pages = list(range(-(-n // page_size)))
+    target_pool = KVPool(engine.pool.geometry, len(pages), page_size)
+    meta = AttentionMetadata.build([SeqSpan(pages, 0, n)], page_size, target_pool.null_slot)
+    _, aux = engine.model.forward(torch.tensor(tokens), torch.arange(n), meta, target_pool,
+                                  engine.proposer.aux_layer_ids)
+    pool = KVPool(engine.draft_pool.geometry, len(pages), page_size)
+    slots = torch.tensor(slots_for(pages, 0, n, page_size))
+    engine.proposer.drafter.write_context(torch.cat(aux, dim=-1), torch.arange(n), slots, pool)
+    return pool.k[:, slots], pool.v[:, slots]
+
+
+def assert_draft_context_exact(engine: Engine, captured) -> None:
+    assert captured, "no request finished with a draft context"
+    for tokens, k, v in captured.values():
+        want_k, want_v = reference_context(engine, tokens)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=1e-9)
+        torch.testing.assert_close(v, want_v, rtol=0, atol=1e-9)
+
+
+def assert_same_as_plain(spec: Run, plain: Run) -> None:
+    for i, (got, want) in enumerate(zip(spec.outputs, plain.outputs, strict=True)):
+        assert got.token_ids == want.token_ids, f"request {i} differs from plain decoding"
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-9
+        for a, b in zip(got.top_logprobs, want.top_logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-9
+        for got_kv, want_kv in zip(spec.kv[got.request_id], plain.kv[want.request_id]):
+            torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def spec_run(tiny_llama, drafters):
+    @functools.cache
+    def go(case: str, gamma: int, batch: int):
+        engine = make_engine(tiny_llama, speculative_dspark_block_size=gamma, **MATRIX_ENGINE, **CASES[case](drafters))
+        context, seen = capture_draft_context(engine), record_proposals(engine)
+        return drive(engine, PROMPTS[:batch], GREEDY[:batch]), context, seen
+    return go
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold"])
+def test_greedy_block_drafting_is_lossless(plain, spec_run, case, gamma, batch):
+    spec, *_ = spec_run(case, gamma, batch)
+    assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))
+    assert_stats_consistent(spec, gamma)
+    alloc = spec.engine.allocator
+    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+
+
+@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold"])
+def test_draft_context_equals_a_recomputation_from_scratch(spec_run, case):
+    spec, context, _ = spec_run(case, 5, 16)
+    assert_draft_context_exact(spec.engine, context)
+
+
+def test_acceptance_follows_the_drafter(spec_run):
+    assert mean_accept_length(spec_run("dflash", 8, 4)[0]) < 1.3, "a random drafter should rarely agree"
+    for case in ("dspark-budget", "dspark-threshold"):
+        assert mean_accept_length(spec_run(case, 8, 4)[0]) > 2.5
+        assert mean_accept_length(spec_run(case, 16, 4)[0]) > mean_accept_length(spec_run(case, 2, 4)[0])
+
+
+@pytest.mark.parametrize("case", ["dspark-budget", "dspark-threshold"])
+def test_windows_differ_per_request_and_follow_confidence(spec_run, case):
+    """The agreeing drafter is sure (c ≈ 0.98) after half of its memorised tokens and unsure (c ≈ 0.02)
+    after the others: both policies verify up to gamma drafts on a sure chain and cut at an unsure draft."""
+    *_, seen = spec_run(case, 8, 16)
+    full = cut = 0
+    for plan, _, proposal in seen:
+        for s, drafts, conf in zip(plan.scheduled, proposal.draft_tokens, proposal.confidences):
+            if conf is None:
+                continue
+            assert len(conf) == len(drafts) <= min(8, s.max_drafts)
+            assert all(c > 0.9 for c in conf[:-1]), "a window never runs on past an unsure draft"
+            full += len(drafts) == min(8, s.max_drafts)
+            cut += len(drafts) < min(8, s.max_drafts)
+    assert full > 10 and cut > 10
+
+
+def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):
+    prompts = make_prompts(8, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=14, ignore_eos=True)
+              for i in range(8)]
+    proposals = []
+    for poison in (False, True):
+        engine = make_engine(tiny_llama, speculative_dspark_block_size=4, max_num_batched_tokens=48,
+                             **CASES["dspark-random"](drafters))
+        seen = record_proposals(engine)
+        drive(engine, prompts, params, poison=poison)
+        proposals.append([p for *_, p in seen])
+    for clean, poisoned in zip(*proposals, strict=True):
+        assert clean.draft_tokens == poisoned.draft_tokens and clean.confidences == poisoned.confidences
+        for a, b in zip(clean.draft_probs, poisoned.draft_probs):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        assert all(all(0.0 < c < 1.0 for c in conf) for conf in poisoned.confidences if conf)
+
+
+@pytest.mark.parametrize("case", ["dflash", "dspark-threshold"])
+def test_preemption_rebuilds_the_draft_context(tiny_llama, drafters, case):
+    prompts = make_prompts(8, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    engine = make_engine(tiny_llama, num_pages=24, speculative_dspark_block_size=4, **CASES[case](drafters))
+    context = capture_draft_context(engine)
+    spec = drive(engine, prompts, params)
+    assert sum(o.num_preemptions for o in spec.outputs) > 0, "the pool was meant to be too small"
+    plain = run(tiny_llama, prompts, params)
+    assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
+    assert_draft_context_exact(engine, context)
+    assert not engine.proposer.num_valid
+
+
+@pytest.mark.parametrize("case", ["dflash", "dspark-random", "dspark-threshold"])
+def test_sampled_block_drafting_is_reproducible_and_valid(tiny_llama, drafters, case):
+    prompts = make_prompts(4, seed=7)
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=100 + i, max_new_tokens=12, ignore_eos=True,
+                             logprobs=True, top_logprobs=5) for i in range(4)]
+    kw = {"speculative_dspark_block_size": 4, **CASES[case](drafters)}
+    engine = make_engine(tiny_llama, **kw)
+    seen = record_proposals(engine)
+    batched = drive(engine, prompts, params)
+    alone = run(tiny_llama, prompts[2:3], params[2:3], **kw)
+    assert alone.outputs[0].token_ids == batched.outputs[2].token_ids
+    for out in batched.outputs:
+        assert len(out.token_ids) == 12
+        assert all(tok in top for tok, top in zip(out.token_ids, out.top_logprobs))
+    assert_stats_consistent(batched, 4)
+    token_map = engine.proposer.drafter.token_map
+    outside = torch.ones(tiny_llama.config.vocab_size, dtype=torch.bool)
+    outside[token_map] = False
+    for *_, proposal in seen:   # q is the distribution each draft was drawn from, zero off the draft vocabulary
+        for drafts, q in zip(proposal.draft_tokens, proposal.draft_probs):
+            if drafts:
+                assert q.shape == (len(drafts), tiny_llama.config.vocab_size) and not q[:, outside].any()
+                torch.testing.assert_close(q.sum(-1), torch.ones(len(drafts), dtype=q.dtype))
+                assert (q[torch.arange(len(drafts)), list(drafts)] > 0).all()
+    reseeded = run(tiny_llama, prompts, [SamplingParams(**{**p.__dict__, "seed": p.seed + 50}) for p in params], **kw)
+    assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in batched.outputs]
+
+
+def test_penalties_and_stops_inside_accepted_windows_stay_lossless(tiny_llama, plain, drafters):
+    """Greedy drafts under penalties go through the full-vocabulary path; stop tokens end requests in the
+    middle of accepted runs, so commit must skip finished requests."""
+    params = [SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+              if i % 2 else
+              SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, stop_token_ids=(out.token_ids[-1],))
+              for i, out in enumerate(plain.outputs[:8])]
+    params.append(SamplingParams(temperature=0.7, seed=3, max_new_tokens=16, ignore_eos=True, presence_penalty=0.5))
+    prompts = PROMPTS[:9]
+    kw = {"speculative_dspark_block_size": 8, **CASES["dspark-threshold"](drafters)}
+    spec = run(tiny_llama, prompts, params, poison=True, **kw)
+    want = run(tiny_llama, prompts, params)
+    assert [o.token_ids for o in spec.outputs[:8]] == [o.token_ids for o in want.outputs[:8]]
+    assert any(o.finish_reason == "stop" and o.spec["num_accepted_drafts"] for o in spec.outputs)
+    alone = run(tiny_llama, prompts[8:], params[8:], **kw)
+    assert alone.outputs[0].token_ids == spec.outputs[8].token_ids
+
+
+def test_a_context_gap_stops_drafting_instead_of_reading_unwritten_kv(tiny_llama, drafters):
+    """Target KV that appears without a draft context (as a prefix-cache hit would provide) leaves a
+    gap that commit cannot fill: that request never drafts, the others do."""
+    engine = make_engine(tiny_llama, speculative_dspark_block_size=4, **CASES["dflash"](drafters))
+    seen = record_proposals(engine)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    gap, other = engine.add_request([5, 6, 7, 8, 9], params), engine.add_request([5, 6, 7, 8, 9], params)
+    engine.requests[gap].num_computed_tokens = 2
+    while engine.has_unfinished:
+        engine.step()
+        assert gap not in engine.proposer.num_valid
+    drafts = {s.request.request_id: d for plan, _, p in seen for s, d in zip(plan.scheduled, p.draft_tokens) if d}
+    assert other in drafts and gap not in drafts
+
+
+def test_dspark_measures_a_cost_table_at_startup_without_a_saved_one(tiny_llama, drafters):
+    engine = make_engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["dspark"])
+    assert engine.proposer.cost.rows == STARTUP_ROWS and engine.proposer.threshold is None
+    out = drive(engine, make_prompts(2), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+
+
+def test_draft_pool_has_the_drafters_geometry(tiny_llama, drafters):
+    engine = make_engine(tiny_llama, **CASES["dflash"](drafters))
+    assert engine.draft_pool.geometry == KVGeometry(2, 2, 16, torch.float64)
+    assert engine.runner.aux_layer_ids == (0, 1)
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.lists(st.integers(0, 255), min_size=1, max_size=20),
+              st.integers(1, 12), st.booleans()),
+    st.tuples(st.just("abort"), st.integers(0, 63)),
+    st.tuples(st.just("step")),
+), max_size=40)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, drafters, ops):
+    engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4,
+                         **CASES["dspark-threshold"](drafters))
+    live: list[str] = []
+    for op in ops:
+        if op[0] == "submit":
+            _, prompt, max_new, greedy = op
+            params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=max_new, ignore_eos=True)
+            live.append(engine.add_request(prompt, params))
+        elif op[0] == "abort" and live:
+            engine.abort(live.pop(op[1] % len(live)))
+        else:
+            poison_free_pages(engine)
+            engine.step()
+        assert_consistent(engine)
+    while engine.has_unfinished:
+        poison_free_pages(engine)
+        engine.step()
+        assert_consistent(engine)
+    alloc = engine.allocator
+    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+    assert not engine.proposer.num_valid
