@@ -41,8 +41,8 @@ class Engine:
         self.tokenizer = ckpt.tokenizer
         self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype)
 
-        self.proposer = build_proposer(config.spec, TargetInfo(self.model, ckpt.config, self.tokenizer, dtype),
-                                       draft_checkpoint)
+        self.proposer = build_proposer(self._with_saved_cost_table(config, checkpoint),
+                                       TargetInfo(self.model, ckpt.config, self.tokenizer, dtype), draft_checkpoint)
 
         geometries = [KVGeometry.of(ckpt.config, dtype)]
         if self.proposer is not None and self.proposer.kv_geometry is not None:
@@ -70,6 +70,17 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
+
+    @staticmethod
+    def _with_saved_cost_table(config: EngineConfig, checkpoint: LoadedCheckpoint | None) -> SpecConfig:
+        """DSPARK's budget planner uses the table `specserve profile` saved for this model, if any."""
+        spec = config.spec
+        if (checkpoint is not None or spec.algorithm.upper() != "DSPARK" or spec.dspark_cost_table_path
+                or spec.dspark_confidence_threshold is not None):
+            return spec
+        from specserve.profile import default_cost_table_path, model_key
+        saved = default_cost_table_path(model_key(config.model_path), config.dtype)
+        return dataclasses.replace(spec, dspark_cost_table_path=str(saved)) if saved.is_file() else spec
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
