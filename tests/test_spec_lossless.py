@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from specserve.types import SamplingParams
 from tests.spec_harness import (assert_consistent, assert_stats_consistent, first_layers, make_engine,
                                 mean_accept_length, run, shifted_head)
+from tests.test_eagle import eagle_kwargs, programmed_head
 
 # name → (engine kwargs for a target checkpoint, the mean accept length it must reach at K=8, batch 4)
 CASES = {
@@ -22,6 +23,7 @@ CASES = {
                                          "draft": first_layers(target, 1)}, 2.0),
     "standalone-disagree": (lambda target: {"speculative_algorithm": "STANDALONE",
                                             "draft": shifted_head(target)}, None),
+    "eagle": (lambda target: eagle_kwargs(programmed_head(target, feature_scale=0.03)), 2.0),
 }
 KS = [1, 2, 4, 5, 8, 16]
 BATCHES = [1, 4, 16]

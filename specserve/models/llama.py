@@ -62,8 +62,13 @@ class LlamaModel:
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [num_tokens] → final-normed hidden [num_tokens, hidden] and the
         residual stream after each layer in `aux_layer_ids` ([num_tokens, hidden] each)."""
+        return self.forward_embeds(self.embed[input_ids], positions, meta, pool, aux_layer_ids)
+
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                       aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` from input vectors x: [num_tokens, hidden] instead of token ids (EAGLE's inputs
+        mix the token embedding with a feature)."""
         c = self.config
-        x = self.embed[input_ids]
         cos, sin = self.rope.tables(positions)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         aux = []

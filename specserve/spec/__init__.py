@@ -50,8 +50,12 @@ class Proposer(Protocol):
 PROPOSERS = {
     "NGRAM": "specserve.spec.ngram:NgramProposer",
     "STANDALONE": "specserve.spec.draft_model:DraftModelProposer",
+    "EAGLE": "specserve.spec.eagle:EagleProposer",
+    "DFLASH": "specserve.spec.block_drafter:BlockDrafterProposer",
+    "DSPARK": "specserve.spec.block_drafter:BlockDrafterProposer",
 }
-DEFAULT_DRAFT_TOKENS = {"NGRAM": 4, "STANDALONE": 4}
+# Block drafters (DFLASH, DSPARK) draft --speculative-dspark-block-size tokens and ignore this number.
+DEFAULT_DRAFT_TOKENS = {"NGRAM": 4, "STANDALONE": 4, "EAGLE": 3, "DFLASH": 8, "DSPARK": 8}
 
 
 def validate_spec(spec: SpecConfig) -> SpecConfig:

@@ -36,6 +36,26 @@ def check_same_vocabulary(target: TargetInfo, draft: LoadedCheckpoint) -> None:
                          "STANDALONE needs a drafter with the target's tokenizer")
 
 
+def choose_drafts(jobs: list[tuple[int, Request, int]], logits: torch.Tensor,   # [len(jobs), vocab]
+                  drafts: list[list[int]], probs: list[list[torch.Tensor]], generator: torch.Generator) -> None:
+    """Append one draft per job (plan index, request, drafts wanted): the argmax for greedy requests, else
+    a sample from the drafter's distribution under the request's own filters, kept as q for the verifier.
+    `generator` serves unseeded sampled requests."""
+    for row, (i, req, _) in enumerate(jobs):
+        p = req.params
+        # Penalise as if the drafts so far were accepted, as the verifier will.
+        scores = sampling.apply_penalties(logits[row:row + 1], p, req.prompt_token_ids,
+                                          req.output_token_ids + drafts[i])
+        if p.greedy:
+            token = sampling.greedy_tokens(scores).item()
+        else:
+            q = sampling.process(scores, p)                       # [1, vocab]
+            u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts[i])], Purpose.DRAFT, generator)
+            token = sampling.sample(q, u).item()
+            probs[i].append(q[0])
+        drafts[i].append(token)
+
+
 class DraftModelProposer:
     aux_layer_ids: tuple[int, ...] = ()
 
@@ -80,14 +100,14 @@ class DraftModelProposer:
             positions += range(start, req.num_tokens)
             spans.append(SeqSpan(req.pages, start, req.num_tokens - start))
             rows.append(len(tokens) - 1)
-        self._choose(jobs, self._forward(tokens, positions, spans, rows), drafts, probs)
+        choose_drafts(jobs, self._forward(tokens, positions, spans, rows), drafts, probs, self.generator)
 
         for r in range(1, max(m for *_, m in jobs)):
             active = [job for job in jobs if job[2] > r]
             positions = [req.num_tokens + r - 1 for _, req, _ in active]
             spans = [SeqSpan(req.pages, pos, 1) for (_, req, _), pos in zip(active, positions)]
             logits = self._forward([drafts[i][-1] for i, _, _ in active], positions, spans, list(range(len(active))))
-            self._choose(active, logits, drafts, probs)
+            choose_drafts(active, logits, drafts, probs, self.generator)
 
         for _, req, m in jobs:
             self.num_valid[req.request_id] = req.num_tokens + m - 1   # the last draft is never fed
@@ -99,25 +119,6 @@ class DraftModelProposer:
         meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
         hidden, _ = self.model.forward(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
         return self.model.logits(hidden[rows])
-
-    def _choose(self, jobs: list[tuple[int, Request, int]], logits: torch.Tensor,   # [len(jobs), vocab]
-                drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-        """Append one draft per job: the argmax for greedy requests, else a sample from the drafter's
-        distribution under the request's own filters, kept as q for the verifier."""
-        for row, (i, req, _) in enumerate(jobs):
-            p = req.params
-            # Penalise as if the drafts so far were accepted, as the verifier will.
-            scores = sampling.apply_penalties(logits[row:row + 1], p, req.prompt_token_ids,
-                                              req.output_token_ids + drafts[i])
-            if p.greedy:
-                token = sampling.greedy_tokens(scores).item()
-            else:
-                q = sampling.process(scores, p)                       # [1, vocab]
-                u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts[i])], Purpose.DRAFT,
-                                           self.generator)
-                token = sampling.sample(q, u).item()
-                probs[i].append(q[0])
-            drafts[i].append(token)
 
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
         # KV written for rejected drafts is not valid; the next catch-up overwrites it.

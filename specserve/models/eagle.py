@@ -1,0 +1,191 @@
+"""EAGLE (chain, topk=1): one Llama decoder layer running autoregressively over target features.
+
+A target feature is the target's residual stream after `target_layer_ids`, concatenated per token and
+fused by `fc` (K·H → H), as in EAGLE-3. The row at position p pairs token p with the feature of
+position p - 1 (zeros at p = 0; training must do the same): `input_proj` maps
+[embed(token_p) ; feature_{p-1}] (2H → H), as in EAGLE-1, and the decoder layer (RoPE at p, its K/V in
+the draft pool) turns that into its output residual h_p. The target's LM head over norm(h_p) predicts
+token p + 1, and h_p stands in for the target's feature of p when the next draft row is fed.
+Embedding and LM head are the target's, shared, not stored.
+
+The checkpoint is a folder: config.json (the fields of EagleConfig plus "algorithm": "EAGLE") and
+model.safetensors in Hugging Face layout ([out, in] weights; the layer is `model.layers.0.*`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specserve.attention.sdpa import AttentionMetadata
+from specserve.config import ModelConfig
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.loader import ModelLoadError
+from specserve.models.block_drafter import default_layer_ids
+from specserve.models.layers import Linear, apply_rope, rms_norm
+from specserve.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+ALGORITHM = "EAGLE"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    target_layer_ids: tuple[int, ...]     # target layers whose output forms the feature, increasing
+    hidden_size: int                      # = the target's: the embedding and LM head are shared
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_name: str
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def to_json(self) -> dict:
+        return {"algorithm": ALGORITHM, **dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_json(data: dict, source: str) -> EagleConfig:
+        if data.get("algorithm") != ALGORITHM:
+            raise ModelLoadError(f"{source} is not an EAGLE checkpoint (its config.json has algorithm "
+                                 f"{data.get('algorithm')!r}, expected {ALGORITHM!r})")
+        fields = {f.name: f for f in dataclasses.fields(EagleConfig)}
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data]
+        if missing:
+            raise ModelLoadError(f"{source}/config.json lacks {', '.join(missing)}")
+        values = {n: data[n] for n in fields if n in data}
+        return EagleConfig(**{**values, "target_layer_ids": tuple(values["target_layer_ids"])})
+
+
+def weight_shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint and its Hugging Face shape."""
+    h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    p = "model.layers.0."
+    return {"fc.weight": (h, len(c.target_layer_ids) * h), "input_proj.weight": (h, 2 * h),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, h), p + "mlp.up_proj.weight": (c.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, c.intermediate_size),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,), "model.norm.weight": (h,)}
+
+
+@dataclass
+class EagleCheckpoint:
+    config: EagleConfig
+    weights: dict[str, torch.Tensor]      # Hugging Face layout
+    source: str = ""
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=1))
+        save_file({k: v.contiguous() for k, v in self.weights.items()}, str(folder / "model.safetensors"))
+
+    @staticmethod
+    def load(folder: str | Path) -> EagleCheckpoint:
+        folder = Path(folder)
+        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+            raise ModelLoadError(f"{folder} is not an EAGLE checkpoint: --speculative-draft-model-path "
+                                 "needs a folder with config.json and model.safetensors")
+        try:
+            config = EagleConfig.from_json(json.loads((folder / "config.json").read_text()), str(folder))
+            weights = load_file(str(folder / "model.safetensors"))
+        except (json.JSONDecodeError, SafetensorError) as e:
+            raise ModelLoadError(f"{folder} is corrupt ({e})") from e
+        return EagleCheckpoint(config, weights, str(folder))
+
+    def validate(self, target: ModelConfig) -> None:
+        """Raise ModelLoadError at startup for anything that does not fit the target."""
+        c, src = self.config, self.source or "the EAGLE drafter"
+        target_name = target.name or target.architecture
+
+        def bad(why: str) -> ModelLoadError:
+            return ModelLoadError(f"{src} cannot draft for {target_name}: {why}")
+
+        if c.target_name and target.name and c.target_name != target.name:
+            log.warning("%s was trained for %s, not %s", src, c.target_name, target.name)
+        if c.hidden_size != target.hidden_size:
+            raise bad(f"it was built for hidden size {c.hidden_size} but the target's is {target.hidden_size}")
+        if c.target_vocab_size != target.vocab_size:
+            raise bad(f"it was built for a vocabulary of {c.target_vocab_size} but the target has {target.vocab_size}")
+        ids = c.target_layer_ids
+        if not ids or any(not 0 <= i < target.num_layers for i in ids) or list(ids) != sorted(set(ids)):
+            raise bad(f"target_layer_ids {list(ids)} must be increasing layer ids in [0, {target.num_layers})")
+        for name, shape in weight_shapes(c).items():
+            if name not in self.weights:
+                raise bad(f"tensor {name} is missing")
+            if tuple(self.weights[name].shape) != shape:
+                raise bad(f"tensor {name} has shape {list(self.weights[name].shape)}, expected {list(shape)}")
+
+
+def random_eagle(target: ModelConfig, *, target_layer_ids: tuple[int, ...] | None = None, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> EagleCheckpoint:
+    """A randomly initialised head for `target` (tests, and the starting point of training). The
+    default features are EAGLE-3's: a low, a middle and a high layer."""
+    config = EagleConfig(
+        target_layer_ids=target_layer_ids or default_layer_ids(target.num_layers, 3),
+        hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads, head_dim=target.head_dim,
+        target_name=target.name, target_vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {name: torch.ones(shape, dtype=dtype) if len(shape) == 1
+               else torch.randn(shape, generator=generator, dtype=dtype) * shape[1] ** -0.5
+               for name, shape in weight_shapes(config).items()}
+    return EagleCheckpoint(config, weights, "random EAGLE drafter")
+
+
+class EagleDrafter:
+    """The head at runtime, over the target's embedding and LM head."""
+
+    def __init__(self, ckpt: EagleCheckpoint, target: LlamaModel) -> None:
+        c, t = ckpt.config, target.config
+        self.config = c
+        layer = ModelConfig("llama", t.vocab_size, c.hidden_size, c.intermediate_size, 1, c.num_attention_heads,
+                            c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta,
+                            t.max_position_embeddings, tie_word_embeddings=True, name="EAGLE drafter")
+        w = {k: v.to(target.dtype) for k, v in ckpt.weights.items()}
+        self.model = LlamaModel(layer, {**w, "model.embed_tokens.weight": target.embed}, target.dtype)
+        # Shared, with its prepacked weight; dropping the copies LlamaModel made frees a vocab × hidden matrix.
+        self.model.head, self.model.lm_head = target.head, target.lm_head
+        self.kv_geometry = KVGeometry.of(layer, target.dtype)
+        self.fc = Linear(w["fc.weight"])                     # len(target_layer_ids) * hidden → hidden
+        self.input_proj = Linear(w["input_proj.weight"])     # 2 * hidden → hidden
+        # Committed rows need only K and V: a small copy of those rows skips Q, attention and the MLP.
+        p = "model.layers.0.self_attn."
+        self.context_kv = Linear(torch.cat([w[p + "k_proj.weight"], w[p + "v_proj.weight"]]))
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        # aux: per target layer in target_layer_ids, [n, hidden] → features [n, hidden]
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        # tokens: [n]; features: [n, hidden] of each token's previous position → [n, hidden]
+        return self.input_proj(torch.cat([self.model.embed[tokens], features], dim=-1))
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [n]; features: [n, hidden] → the layer's output residual [n, hidden] (the
+        predicted features) and logits [n, vocab]."""
+        normed, (residual,) = self.model.forward_embeds(self.inputs(tokens, features), positions, meta, pool, (0,))
+        return residual, self.model.logits(normed)
+
+    def write_context(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, pool: KVPool) -> None:
+        """The K/V `forward` would write for these rows. tokens, positions, slots: [n]; features: [n, hidden]."""
+        c = self.config
+        h = rms_norm(self.inputs(tokens, features), self.model.layers[0].input_norm, c.rms_norm_eps)
+        kv = self.context_kv(h)
+        kv_size = c.num_key_value_heads * c.head_dim
+        k = kv[:, :kv_size].view(-1, c.num_key_value_heads, c.head_dim)
+        v = kv[:, kv_size:].view(-1, c.num_key_value_heads, c.head_dim)
+        cos, sin = self.model.rope.tables(positions)
+        pool.write(0, slots, apply_rope(k, cos, sin), v)
