@@ -222,7 +222,6 @@ class BlockDrafter:
         self.config = c
         dtype = target.dtype
         token_map = token_map if token_map is not None else ckpt.weights.get("token_map")
-        vocab_head = target.lm_head.t() if token_map is None else target.lm_head.t()[token_map.long()]   # [V_d, hidden]
         # draft id → target id
         self.token_map = torch.arange(t.vocab_size) if token_map is None else token_map.long()
         # target id → draft id; a token outside the map points at an all-zero Markov row
@@ -234,10 +233,9 @@ class BlockDrafter:
                              c.rms_norm_eps, c.rope_theta, t.max_position_embeddings, qk_norm=c.qk_norm,
                              name=f"{c.algorithm} drafter")
         w = {k: v.to(dtype) for k, v in ckpt.weights.items() if k != "token_map"}
-        self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed, "lm_head.weight": vocab_head},
-                                dtype)
-        if token_map is None:
-            self.model.head = target.head                  # shared, with its prepacked weight
+        # The target's head, shared (prepacked once), or its rows of the draft vocabulary: [V_d, hidden]
+        head = target.head if token_map is None else Linear(target.lm_head.t()[token_map.long()], plain_single_row=True)
+        self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed}, dtype, shared_head=head)
         self.kv_geometry = KVGeometry.of(layers, dtype)
         self.fc = Linear(w["fc.weight"])                    # layers * target hidden → hidden
         self.hidden_norm = w["hidden_norm.weight"]

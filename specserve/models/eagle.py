@@ -153,9 +153,8 @@ class EagleDrafter:
                             c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta,
                             t.max_position_embeddings, tie_word_embeddings=True, name="EAGLE drafter")
         w = {k: v.to(target.dtype) for k, v in ckpt.weights.items()}
-        self.model = LlamaModel(layer, {**w, "model.embed_tokens.weight": target.embed}, target.dtype)
-        # Shared, with its prepacked weight; dropping the copies LlamaModel made frees a vocab × hidden matrix.
-        self.model.head, self.model.lm_head = target.head, target.lm_head
+        self.model = LlamaModel(layer, {**w, "model.embed_tokens.weight": target.embed}, target.dtype,
+                                shared_head=target.head)
         self.kv_geometry = KVGeometry.of(layer, target.dtype)
         self.fc = Linear(w["fc.weight"])                     # len(target_layer_ids) * hidden → hidden
         self.input_proj = Linear(w["input_proj.weight"])     # 2 * hidden → hidden

@@ -26,7 +26,9 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 shared_head: Linear | None = None) -> None:
+        """`shared_head`: use another model's vocabulary projection (drafters share the target's)."""
         self.config = config
         self.dtype = dtype
 
@@ -36,8 +38,10 @@ class LlamaModel:
             return weights[name].to(dtype)
 
         self.embed = w("model.embed_tokens.weight")                       # [vocab, hidden]
-        head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.head = Linear(head, plain_single_row=True)
+        if shared_head is None:
+            shared_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"),
+                                 plain_single_row=True)
+        self.head = shared_head
         self.lm_head = self.head.plain                                   # [hidden, vocab]
         self.final_norm = w("model.norm.weight")
         self.layers = []
