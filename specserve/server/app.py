@@ -1,0 +1,444 @@
+"""The OpenAI-compatible HTTP server: FastAPI endpoints over the AsyncEngine, OpenAI-style errors,
+bearer-token auth, Prometheus metrics, and a SIGTERM that drains in-flight requests and exits 0.
+
+Status codes: 400 body is not JSON, or a value does not fit this model (prompt or max_tokens beyond the
+context, token id outside the vocabulary, chat template refused the messages); 401 wrong or missing API key;
+404 unknown model or route; 413 body over MAX_BODY_BYTES; 422 body does not fit the schema (missing
+field, wrong type, value out of range); 503 (with Retry-After) queue full or shutting down; 500 the engine
+failed while running the request."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.engine import Engine, engine_config
+from specserve.server.async_engine import AsyncEngine, EngineError, Submission, Unavailable
+from specserve.server.metrics import Metrics
+from specserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       Delta, ErrorInfo, ErrorResponse, ModelCard, ModelList, SpecUsage,
+                                       TokenLogprob, TopLogprob, Usage)
+from specserve.types import RequestOutput, SamplingParams
+
+MAX_BODY_BYTES = 1 << 20
+RETRY_AFTER_S = 1
+DONE = "data: [DONE]\n\n"
+
+Req = TypeVar("Req", bound=BaseModel)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        kind = "authentication_error" if self.status == 401 else (
+            "invalid_request_error" if self.status < 500 else "server_error")
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first schema violation, as `field.path: what is wrong (got value)`."""
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}")
+    param = ".".join(str(part) for part in err["loc"]) or None
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] != "missing" and isinstance(err.get("input"), str | int | float | bool | None):
+        message += f" (got {err['input']!r})"
+    return ApiError(422, f"{param or 'request body'}: {message}", param=param)
+
+
+def unavailable(exc: Unavailable) -> ApiError:
+    return ApiError(503, str(exc), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def stable_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
+    """The part of the cumulative text that later tokens cannot change: without a trailing incomplete
+    UTF-8 character (decoded as U+FFFD) and without a suffix that may be the start of a stop string."""
+    if out.finished:
+        return out.text
+    text = out.text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
+
+
+@dataclass
+class Progress:
+    """How much of one choice has been sent."""
+    stops: tuple[str, ...]
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0      # completions logprobs: characters covered by the tokens sent
+
+    def advance(self, out: RequestOutput) -> tuple[str, int]:
+        """New stable text, and the index of the first token not sent yet."""
+        text = stable_text(out, self.stops)
+        new, self.text_len = text[self.text_len:], max(self.text_len, len(text))
+        start, self.num_tokens = self.num_tokens, len(out.token_ids)
+        return new, start
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that abort the request's engine work however the response ends
+    (finished, failed, or the client went away mid-stream)."""
+
+    def __init__(self, events: AsyncIterator[str], submission: Submission) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.abort()
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, served_model_name: str | None, api_key: str | None,
+                 max_queued_requests: int) -> None:
+        self.metrics = Metrics()
+        self.core = AsyncEngine(engine, self.metrics,
+                                engine.config.scheduler.max_running_requests + max_queued_requests)
+        # handlers encode with their own copy: the engine thread decodes with engine.tokenizer, and one
+        # Rust tokenizer object must not be used by two threads at once
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.model_name = served_model_name or engine.model_config.name
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    # ---- endpoints --------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        if self.core.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> ModelList:
+        self.check_api_key(request)
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+
+    async def completions(self, request: Request) -> Response:
+        self.check_api_key(request)
+        req = await self.parse(request, CompletionRequest)
+        self.check_model(req.model)
+        prompts = [self.encode_prompt(p) for p in req.prompt]
+        return await self.generate(request, prompts, CompletionFormat(self, req, f"cmpl-{uuid.uuid4().hex}"))
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.check_api_key(request)
+        req = await self.parse(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        prompt = self.encode_chat(req)
+        return await self.generate(request, [prompt], ChatFormat(self, req, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- request → engine -------------------------------------------------------------------------
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model: {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def parse(self, request: Request, schema: type[Req]) -> Req:
+        too_large = ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        try:
+            return schema.model_validate_json(bytes(body))
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param="prompt")
+        return prompt
+
+    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
+                                                      add_generation_prompt=True)
+        except jinja2.TemplateError as exc:
+            raise ApiError(400, f"messages: the model's chat template rejected them: {exc}", param="messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def jobs(self, req: CompletionRequest | ChatCompletionRequest,
+             prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
+        """n engine requests per prompt, with max_tokens checked against the context left."""
+        jobs = []
+        for ids in prompts:
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+                raise ApiError(400, f"{param}: the prompt has {len(ids)} tokens but the context holds "
+                                    f"{self.max_model_len} tokens including at least one new token",
+                               param=param, code="context_length_exceeded")
+            param, wanted = req.max_tokens_field
+            if wanted is not None and wanted > room:
+                raise ApiError(400, f"{param}: {wanted} new tokens do not fit the context: the prompt has "
+                                    f"{len(ids)} tokens and the context holds {self.max_model_len}, so at most "
+                                    f"{room}", param=param, code="context_length_exceeded")
+            jobs += [(ids, req.sampling_params(wanted or room, i)) for i in range(req.n)]
+        return jobs
+
+    async def generate(self, request: Request, prompts: list[list[int]],
+                       fmt: CompletionFormat | ChatFormat) -> Response:
+        jobs = self.jobs(fmt.req, prompts)
+        try:
+            sub = self.core.submit(jobs)
+        except Unavailable as exc:
+            raise unavailable(exc) from None
+        prompt_tokens = sum(len(p) for p in prompts)
+        if fmt.req.stream:
+            return EventStream(self.events(sub, fmt, prompt_tokens), sub)
+        finals = await self.collect(request, sub)
+        if finals is None:
+            return Response(status_code=499)    # the client went away; its requests were aborted
+        choices = [fmt.choice(i, out.text, out, Progress(fmt.req.stop), 0) for i, out in enumerate(finals)]
+        return JSONResponse(fmt.response(choices, usage_of(prompt_tokens, finals)).model_dump())
+
+    async def collect(self, request: Request, sub: Submission) -> list[RequestOutput] | None:
+        """Final outputs in choice order, or None when the client disconnects first."""
+        finals: list[RequestOutput] = [None] * len(sub.ids)
+
+        async def run() -> None:
+            async for index, out in sub.outputs():
+                finals[index] = out
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                return None
+            try:
+                work.result()
+            except EngineError as exc:
+                raise ApiError(500, str(exc), code="engine_error") from None
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
+            return finals
+        finally:
+            work.cancel()
+            watch.cancel()
+            sub.abort()
+
+    async def events(self, sub: Submission, fmt: CompletionFormat | ChatFormat,
+                     prompt_tokens: int) -> AsyncIterator[str]:
+        for first in fmt.first_chunks():
+            yield sse(first)
+        progress = [Progress(fmt.req.stop) for _ in sub.ids]
+        finals: list[RequestOutput] = [None] * len(sub.ids)
+        wants_logprobs = fmt.req.logprob_params[0]
+        try:
+            async for index, out in sub.outputs():
+                text, start = progress[index].advance(out)
+                if text or out.finished or (wants_logprobs and start < len(out.token_ids)):
+                    yield sse(fmt.response([fmt.choice(index, text, out, progress[index], start)]))
+                finals[index] = out
+        except (EngineError, ValueError) as exc:
+            code = "engine_error" if isinstance(exc, EngineError) else None
+            yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code=code)))
+        else:
+            if fmt.req.include_usage:
+                yield sse(fmt.response([], usage_of(prompt_tokens, finals)))
+        yield DONE
+
+
+# ---- engine output → OpenAI shapes -------------------------------------------------------------------
+
+@dataclass
+class CompletionFormat:
+    server: OpenAIServer
+    req: CompletionRequest
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def first_chunks(self) -> list[BaseModel]:
+        return []
+
+    def choice(self, index: int, text: str, out: RequestOutput, progress: Progress, start: int) -> CompletionChoice:
+        """`text` and the tokens from `start` on: all of them, or what is new in a stream."""
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = CompletionLogprobs(top_logprobs=[] if self.req.logprobs else None)
+            for i in range(start, len(out.token_ids)):
+                token = self.server.token_text(out.token_ids[i])
+                logprobs.tokens.append(token)
+                logprobs.token_logprobs.append(out.logprobs[i])
+                logprobs.text_offset.append(progress.text_offset)
+                progress.text_offset += len(token)
+                if self.req.logprobs:
+                    top = out.top_logprobs[i].items()
+                    logprobs.top_logprobs.append({self.server.token_text(t): lp for t, lp in top})
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=out.finish_reason if out.finished else None)
+
+    def response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.server.model_name, choices=choices,
+                                  usage=usage)
+
+
+@dataclass
+class ChatFormat:
+    server: OpenAIServer
+    req: ChatCompletionRequest
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def first_chunks(self) -> list[BaseModel]:
+        return [self.response([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                for i in range(self.req.n)]
+
+    def choice(self, index: int, text: str, out: RequestOutput, progress: Progress,
+               start: int) -> ChatChoice | ChatChunkChoice:
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = ChatLogprobs(content=[self.token_logprob(out, i) for i in range(start, len(out.token_ids))])
+        finish_reason = out.finish_reason if out.finished else None
+        if self.req.stream:
+            return ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs,
+                                   finish_reason=finish_reason)
+        return ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
+                          finish_reason=finish_reason)
+
+    def response(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk | ChatCompletionResponse:
+        kind = ChatCompletionChunk if self.req.stream else ChatCompletionResponse
+        return kind(id=self.id, created=self.created, model=self.server.model_name, choices=choices, usage=usage)
+
+    def top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.server.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def token_logprob(self, out: RequestOutput, i: int) -> TokenLogprob:
+        top = sorted((out.top_logprobs[i] if out.top_logprobs else {}).items(), key=lambda kv: -kv[1])
+        return TokenLogprob(**self.top_logprob(out.token_ids[i], out.logprobs[i]).model_dump(),
+                            top_logprobs=[self.top_logprob(t, lp) for t, lp in top])
+
+
+def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
+    completion_tokens = sum(len(o.token_ids) for o in finals)
+    verify_ct = sum(o.spec["verify_ct"] for o in finals)
+    histogram: list[int] = []
+    for o in finals:
+        for k, count in enumerate(o.spec["accepted_histogram"]):
+            histogram += [0] * (k + 1 - len(histogram))
+            histogram[k] += count
+    spec = SpecUsage(verify_ct=verify_ct,
+                     accept_length=round(completion_tokens / verify_ct, 4) if verify_ct else 0.0,
+                     num_accepted_drafts=sum(o.spec["num_accepted_drafts"] for o in finals),
+                     num_proposed_drafts=sum(o.spec["num_proposed_drafts"] for o in finals),
+                     accepted_histogram=histogram)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, spec=spec)
+
+
+def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,
+               max_queued_requests: int = 256) -> FastAPI:
+    server = OpenAIServer(engine, served_model_name, api_key, max_queued_requests)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.core.start()
+        yield
+        await server.core.stop()
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    app.state.server = server
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return ApiError(exc.status_code, message, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: stop accepting, give in-flight requests `grace_s` to finish, abort the rest, exit."""
+
+    def __init__(self, config: uvicorn.Config, core: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self.core, self.grace_s = core, grace_s
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # uvicorn's own handler re-raises the signal once shut down, so the process would die of SIGTERM
+        # instead of exiting 0
+        self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
+        if not self.should_exit:
+            self.should_exit = True
+            self.core.drain(self.grace_s)
+
+
+def serve(engine_args: dict, host: str = "127.0.0.1", port: int = 30000, max_queued_requests: int = 256,
+          api_key: str | None = None, served_model_name: str | None = None, shutdown_timeout: float = 10.0) -> int:
+    engine = Engine(engine_config(**engine_args))
+    app = create_app(engine, served_model_name, api_key, max_queued_requests)
+    # uvicorn cancels whatever is left after its own timeout; ours aborts requests before that
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    DrainingServer(config, app.state.server.core, shutdown_timeout).run()
+    return 0

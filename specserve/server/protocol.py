@@ -1,0 +1,259 @@
+"""The OpenAI request and response shapes that specserve serves, as pydantic models.
+
+Requests validate strictly (a string is not a number, 2.0 is not an integer) so that every bad field is
+reported by name; the extension fields top_k, min_p and ignore_eos ride along with the OpenAI ones."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from specserve.types import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_N = 16
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError("must be a non-empty string or a list of non-empty strings")
+    return tuple(stops)
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] → a list of prompts (text or token ids)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(t) for t in value)):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or isinstance(p, list) for p in value):
+        prompts = value
+    else:
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+    for p in prompts:
+        if isinstance(p, list) and not all(_is_int(t) for t in p):
+            raise ValueError("token-id prompts must hold integers only")
+        if not p or (isinstance(p, str) and not p.strip()):
+            raise ValueError("is empty: give at least one token")
+    return prompts
+
+
+def _content(value: Any) -> str:
+    """A message's content: a string or a list of {"type": "text", "text": ...} parts, joined."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = None
+    stop: Annotated[tuple[str, ...], BeforeValidator(_stop)] = ()
+    n: int = Field(1, ge=1, le=MAX_N)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """(the field that limits new tokens, its value; None: up to the context)."""
+        return "max_tokens", self.max_tokens
+
+    @property
+    def logprob_params(self) -> tuple[bool, int]:
+        """(logprobs, top_logprobs) as SamplingParams takes them."""
+        return False, 0
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_new_tokens: int, index: int) -> SamplingParams:
+        """Parameters of choice `index`; seeded choices get seed + index so n > 1 gives n different samples."""
+        logprobs, top_logprobs = self.logprob_params
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=None if self.seed is None else self.seed + index, stop=self.stop, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprob_params(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, BeforeValidator(_content)] = ""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    @property
+    def logprob_params(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
+
+
+# ---- responses --------------------------------------------------------------------------------------
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class SpecUsage(BaseModel):
+    """specserve's extension: speculative decoding statistics summed over the response's choices."""
+    verify_ct: int
+    accept_length: float            # emitted tokens per verify step (bonus token included)
+    num_accepted_drafts: int
+    num_proposed_drafts: int
+    accepted_histogram: list[int]   # [k] = verify steps that accepted exactly k drafts
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    spec: SpecUsage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
