@@ -17,11 +17,11 @@ ENGINE_FLAGS = {
     "--page-size": ("page_size", int, 16, "tokens per KV page"),
     "--kv-cache-memory": ("memory_bytes", int, 1 << 30, "bytes for all KV pools together"),
     "--threads": ("num_threads", int, None, "torch CPU threads"),
-    "--speculative-algorithm": ("speculative_algorithm", str, "NONE", "NONE | NGRAM | STANDALONE | DFLASH | DSPARK"),
+    "--speculative-algorithm": ("speculative_algorithm", str, "NONE", "NONE | NGRAM | STANDALONE | EAGLE | DFLASH | DSPARK"),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, 0,
-                                       "drafts per step for NGRAM/STANDALONE (0: the algorithm's default, 4)"),
+                                       "drafts per step for NGRAM/STANDALONE/EAGLE (0: the default, 4/4/3)"),
     "--speculative-draft-model-path": ("speculative_draft_model_path", str, None,
-                                       "draft model (STANDALONE) or drafter checkpoint folder (DFLASH/DSPARK)"),
+                                       "draft model (STANDALONE) or drafter checkpoint folder (EAGLE/DFLASH/DSPARK)"),
     "--speculative-ngram-min-match-window-size|--speculative-ngram-min": (
         "speculative_ngram_min", int, 1, "shortest n-gram NGRAM looks up"),
     "--speculative-ngram-max-match-window-size|--speculative-ngram-max": (
