@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny random Llama/Qwen model with a byte-level tokenizer, built in memory."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -11,8 +13,11 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from safetensors.torch import save_file
+
 from specserve.config import ModelConfig
 from specserve.loader import LoadedCheckpoint
+from specserve.loader.safetensors import hf_config
 
 # Tiny-model ops are dominated by thread handoff: one thread is ~100x faster when the machine is busy.
 torch.set_num_threads(1)
@@ -55,6 +60,16 @@ def tiny_checkpoint(arch: str = "llama", num_layers: int = 2, hidden: int = 64, 
     config = ModelConfig(arch, vocab, hidden, 2 * hidden, num_layers, 4, 2, hidden // 4, 1e-6, 10000.0,
                          max_positions, arch == "llama", arch == "qwen2", False, None, (vocab - 1,), f"tiny-{arch}")
     return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer, source=f"tiny-{arch}")
+
+
+def save_hf_folder(ckpt: LoadedCheckpoint, folder: Path, dtype: torch.dtype | None = None) -> Path:
+    """Write a checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer) for --model-path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
+    save_file({k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in ckpt.weights.items()},
+              str(folder / "model.safetensors"))
+    ckpt.tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

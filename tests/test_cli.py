@@ -4,21 +4,15 @@ import subprocess
 import sys
 
 import pytest
-from safetensors.torch import save_file
+import torch
 
 from specserve.cli import main
-from specserve.loader.safetensors import hf_config
-from tests.conftest import tiny_checkpoint
+from tests.conftest import save_hf_folder, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    ckpt = tiny_checkpoint("llama")
-    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
-    save_file({k: v.float().contiguous() for k, v in ckpt.weights.items()}, str(folder / "model.safetensors"))
-    ckpt.tokenizer.save_pretrained(folder)
-    return folder
+    return save_hf_folder(tiny_checkpoint("llama"), tmp_path_factory.mktemp("tiny"), torch.float32)
 
 
 def test_generate_json(tiny_folder, capsys):

@@ -1,19 +1,17 @@
 """STANDALONE: build-time checks, the drafter's own KV (caught up, clamped, released), q for sampled
 requests, and loading the drafter from --speculative-draft-model-path."""
 import dataclasses
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from specserve import sampling
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.kv_pages import KVPool
-from specserve.loader.safetensors import hf_config
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+from tests.conftest import save_hf_folder
 from tests.spec_harness import first_layers, make_engine, run
 
 STANDALONE = {"speculative_algorithm": "STANDALONE"}
@@ -137,9 +135,7 @@ def test_drafter_with_a_shorter_context_drafts_at_the_targets_positions(tiny_lla
 
 def test_draft_model_path_is_loaded(tiny_llama, tmp_path):
     draft = first_layers(tiny_llama, 1)
-    save_file({k: v.contiguous() for k, v in draft.weights.items()}, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(draft.config)))
-    draft.tokenizer.save_pretrained(tmp_path)
+    save_hf_folder(draft, tmp_path)
     prompts = [[5, 6, 7], [9, 9, 9, 9]]
     spec = run(tiny_llama, prompts, GREEDY, speculative_draft_model_path=str(tmp_path),
                speculative_num_draft_tokens=4, **STANDALONE)

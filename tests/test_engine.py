@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from specserve.engine import LLM, Engine, engine_config
 from specserve.types import SamplingParams

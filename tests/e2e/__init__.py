@@ -2,7 +2,6 @@
 localhost port, one torch thread, its output in a log file (a full pipe would block the server)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -12,22 +11,16 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import save_file
 
-from specserve.loader.safetensors import hf_config
-from tests.conftest import tiny_checkpoint
+from tests.conftest import save_hf_folder, tiny_checkpoint
 
 KV_BYTES = "8000000"     # ~1000 pages of the tiny model; the 1 GiB default takes seconds to allocate
 
 
 def save_tiny_model(folder: Path, max_positions: int = 2048) -> Path:
-    ckpt = tiny_checkpoint("llama", max_positions=max_positions)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
-    save_file({k: v.float().contiguous() for k, v in ckpt.weights.items()}, str(folder / "model.safetensors"))
-    ckpt.tokenizer.save_pretrained(folder)
-    return folder
+    return save_hf_folder(tiny_checkpoint("llama", max_positions=max_positions), folder, torch.float32)
 
 
 def free_port() -> int:
