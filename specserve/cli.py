@@ -93,6 +93,12 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specserve.bench.run import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure seconds per target forward vs verify rows (DSPARK budget)")
     add_profile_args(prof)
     prof.set_defaults(func=cmd_profile)
+
+    from specserve.bench.run import add_bench_args
+    bench = sub.add_parser("bench", help="acceptance length and speed of each algorithm over the workload suite")
+    add_engine_args(bench)
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

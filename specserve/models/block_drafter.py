@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -29,7 +30,7 @@ from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import ModelLoadError
-from specserve.models.layers import Linear, apply_rope, rms_norm
+from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -282,3 +283,43 @@ class BlockDrafter:
         # hidden: [n, hidden]; prev: [n] target ids; rows: [n] row index k in the block → c_k: [n]
         features = torch.cat([hidden, self.w1[self.to_draft[prev]]], dim=-1)
         return torch.sigmoid(self.confidence_head(features).squeeze(-1) / self.temperatures[rows])
+
+
+def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed: torch.Tensor, rope: Rope,
+                        aux: torch.Tensor, anchors: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+    """The block forward of BlockDrafter, dense and differentiable in the checkpoint's tensors `w`
+    (training). aux: [B, L, len(target_layer_ids) * target hidden] of each sequence's tokens;
+    anchors, anchor_ids: [B, A] positions and token ids. Each anchor's block (the anchor, then mask
+    tokens) sees the context of positions < anchor and its own rows, as the paged proposer's does
+    → final-normed hidden [B, A, block_size, hidden]."""
+    B, L, _ = aux.shape
+    A, G = anchors.shape[1], c.block_size
+    eps, d, kv_heads = c.rms_norm_eps, c.head_dim, c.num_key_value_heads
+    ctx = rms_norm(aux @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                  # [B, L, hidden]
+    ctx_rope = rope.tables(torch.arange(L))
+    block_rope = [t.view(B, A * G, 1, d) for t in rope.tables((anchors[..., None] + torch.arange(G)).flatten())]
+    ids = torch.full((B, A, G), c.mask_token_id, dtype=torch.long)
+    ids[..., 0] = anchor_ids
+    x = embed[ids.view(B, A * G)]
+    block = torch.arange(A * G) // G
+    sees_context = torch.arange(L) < anchors.repeat_interleave(G, dim=1)[..., None]          # [B, A*G, L]
+    mask = torch.cat([sees_context, (block[:, None] == block).expand(B, -1, -1)], dim=-1)[:, None]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+
+        def proj(t: torch.Tensor, name: str, heads: int) -> torch.Tensor:   # [B, T, hidden] → [B, T, heads, d]
+            out = (t @ w[p + f"self_attn.{name}_proj.weight"].T).unflatten(-1, (heads, d))
+            return rms_norm(out, w[p + f"self_attn.{name}_norm.weight"], eps) if c.qk_norm and name != "v" else out
+
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q = apply_rope(proj(h, "q", c.num_attention_heads), *block_rope)
+        k = torch.cat([apply_rope(proj(ctx, "k", kv_heads), *ctx_rope),
+                       apply_rope(proj(h, "k", kv_heads), *block_rope)], dim=1)
+        v = torch.cat([proj(ctx, "v", kv_heads), proj(h, "v", kv_heads)], dim=1)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=d ** -0.5, enable_gqa=True)               # [B, heads, A*G, d]
+        x = x + att.transpose(1, 2).flatten(2) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms_norm(x, w["model.norm.weight"], eps).view(B, A, G, -1)

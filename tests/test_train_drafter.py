@@ -1,0 +1,230 @@
+"""Drafter training on the tiny random target: the dense training forward equals the engine's paged
+proposer, a few steps reduce the loss, checkpoint → resume continues bit for bit, and the exported
+folder loads in the engine and decodes losslessly; the CLI end to end."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.engine import LLM
+from specserve.kv_pages import KVPool, slots_for
+from specserve.loader.safetensors import hf_config
+from specserve.models.block_drafter import (BlockDrafter, BlockDrafterCheckpoint, dense_block_forward,
+                                            random_block_drafter)
+from specserve.models.layers import Rope
+from specserve.models.llama import LlamaModel
+from specserve.train.data import Example, build_token_map
+from specserve.train.train_drafter import (DrafterTrainer, TrainConfig, add_train_args, cmd_train_drafter, make_batch,
+                                           sample_anchors, seeded, train_drafter, usable_examples)
+from specserve.types import SamplingParams
+from tests.test_block_drafter import record_proposals
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+SMALL = dict(block_size=4, anchors=8, batch_size=4, markov_rank=8, draft_vocab=160, max_len=128, holdout=4,
+             lr=3e-3, dtype="float64")
+
+
+def engine(ckpt, **spec) -> LLM:
+    return LLM(checkpoint=ckpt, dtype="float64", page_size=4, num_pages=256, **spec)
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_llama) -> list[Example]:
+    """The tiny target's own greedy answers to random prompts."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 10, (40,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    outs = engine(tiny_llama).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32))
+    return [Example(f"e{i}", p, o.token_ids) for i, (p, o) in enumerate(zip(prompts, outs))]
+
+
+def randomise_norms(trainer: DrafterTrainer) -> None:
+    """Norm weights start at one, where swapping two norms would go unnoticed."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in trainer.params.items():
+            if p.dim() == 1:
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) + 0.5)
+
+
+def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path):
+    cfg = TrainConfig(**{**SMALL, "block_size": 5}, num_layers=2, target_layer_ids=(0, 1))
+    token_map = torch.cat([torch.arange(0, 200, 2), torch.arange(201, 257)])
+    trainer = DrafterTrainer(tiny_llama, cfg, token_map)
+    randomise_norms(trainer)
+    ckpt = trainer.checkpoint((1.0, 2.0, 0.5, 3.0, 1.5))
+    ckpt.save(tmp_path)
+    spec = engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=str(tmp_path),
+                  speculative_dspark_block_size=5, speculative_dspark_confidence_threshold=0.0).engine
+    drafter = spec.proposer.drafter
+    block_logits = []
+    base_logits = drafter.logits
+    drafter.logits = lambda hidden: block_logits.append(base_logits(hidden)) or block_logits[-1]
+    seen = record_proposals(spec)
+    for prompt in ([3, 4, 5, 6, 7, 8, 9], [250], [100, 101, 7, 7]):
+        spec.add_request(prompt, GREEDY)
+        while spec.has_unfinished:
+            spec.step()
+    drafting = [(tokens[0], proposal) for _, tokens, proposal in seen if proposal.draft_tokens[0]]
+    assert len(drafting) == len(block_logits) >= 10
+    temperatures = torch.tensor(ckpt.config.confidence_temperatures, dtype=torch.float64)
+    checked = 0
+    for (tokens, proposal), logits in zip(drafting, block_logits):
+        drafts = list(proposal.draft_tokens[0])
+        if len(drafts) < 5:
+            continue
+        anchor = len(tokens) - 1
+        batch = make_batch([Example("x", tokens, drafts)])      # row k's previous token is the k-th draft
+        out = trainer.forward(batch, torch.tensor([[anchor]]), torch.tensor([[True]]))
+        prev = torch.tensor(tokens[-1:] + drafts[:-1])
+        want = logits + drafter.markov_logits(prev)
+        torch.testing.assert_close(out.draft_logits[0], want, rtol=0, atol=1e-9)
+        assert token_map[out.draft_logits[0].argmax(-1)].tolist() == drafts
+        confidence = torch.sigmoid(out.confidence_logits[0] / temperatures)
+        torch.testing.assert_close(confidence, torch.tensor(proposal.confidences[0], dtype=torch.float64),
+                                   rtol=0, atol=1e-9)
+        checked += 1
+    assert checked >= 10
+
+
+def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
+    """The qk-norm path (Qwen3-style drafters), which TrainConfig does not build, against BlockDrafter."""
+    target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float64)
+    ckpt = random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, block_size=3, qk_norm=True, seed=2,
+                                dtype=torch.float64)
+    for name, weight in ckpt.weights.items():
+        if name.endswith("norm.weight"):
+            weight.uniform_(0.5, 1.5)
+    drafter = BlockDrafter(ckpt, target)
+    aux = torch.randn(1, 9, 2 * 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pool = KVPool(drafter.kv_geometry, 4, 4)
+    anchor, pages = 6, [2, 0, 3]
+    drafter.write_context(aux[0, :anchor], torch.arange(anchor), torch.tensor(slots_for(pages, 0, anchor, 4)), pool)
+    meta = AttentionMetadata.build([SeqSpan(pages, anchor, 3, causal=False)], 4, pool.null_slot)
+    mask = ckpt.config.mask_token_id
+    paged = drafter.block_hidden(torch.tensor([77, mask, mask]), torch.arange(anchor, anchor + 3), meta, pool)
+    rope = Rope(16, ckpt.config.rope_theta, 512, torch.float64)
+    dense = dense_block_forward(ckpt.config, ckpt.weights, target.embed, rope, aux, torch.tensor([[anchor]]),
+                                torch.tensor([[77]]))
+    torch.testing.assert_close(dense[0, 0], paged, rtol=0, atol=1e-10)
+
+
+def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, examples):
+    """Many anchors over padded sequences of different lengths give each block what it gets alone, and
+    the target distribution of each row peaks at the target's own greedy next token."""
+    data = usable_examples(examples, 128)[:4]
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), build_token_map(data, 160, 257))
+    randomise_norms(trainer)
+    batch = make_batch(data)
+    anchors, ok = sample_anchors(batch, 6, seeded(1))
+    assert len(set(batch.lengths.tolist())) > 1 and ok.sum() > 12
+    out = trainer.forward(batch, anchors, ok)
+    for b, example in enumerate(data):
+        for a in torch.nonzero(ok[b]).flatten().tolist():
+            one = trainer.forward(make_batch([example]), anchors[b:b + 1, a:a + 1], ok[b:b + 1, a:a + 1])
+            i, rows = b * 6 + a, one.valid[0]
+            assert torch.equal(out.valid[i], rows) and torch.equal(out.target_ids[i][rows], one.target_ids[0][rows])
+            for got, want in ((out.draft_logits, one.draft_logits), (out.target_probs, one.target_probs),
+                              (out.confidence_logits, one.confidence_logits)):
+                torch.testing.assert_close(got[i][rows], want[0][rows], rtol=0, atol=1e-10)
+    rows = out.valid & (out.target_ids >= 0)
+    assert (out.target_probs.argmax(-1)[rows] == out.target_ids[rows]).all()
+
+
+def test_a_few_steps_reduce_the_loss(tiny_llama, examples, tmp_path):
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, max_steps=40, save_every=100), None)
+    batch = make_batch(usable_examples(examples, 128)[:8])
+
+    def held_loss():
+        with torch.no_grad():
+            return trainer.losses(batch, seeded(9))
+
+    before = held_loss()
+    trainer.train(usable_examples(examples, 128), tmp_path / "state.pt")
+    after = held_loss()
+    assert after.total.item() < 0.8 * before.total.item()
+    assert after.accept_length > before.accept_length and after.acceptance > before.acceptance
+
+
+def test_checkpoint_then_resume_continues_identically(tiny_llama, examples, tmp_path, monkeypatch):
+    cfg = TrainConfig(**SMALL, max_steps=5, save_every=2)
+    data = usable_examples(examples, 128)
+    straight = DrafterTrainer(tiny_llama, cfg, None)
+    saves = []
+    save = DrafterTrainer.save
+    monkeypatch.setattr(DrafterTrainer, "save", lambda self, path: saves.append(self.step) or save(self, path))
+    straight.train(data, tmp_path / "straight.pt")
+    assert saves == [2, 4, 5]
+
+    interrupted = DrafterTrainer(tiny_llama, cfg, None)
+    interrupted.train(data, tmp_path / "resumed.pt", until=2)
+    resumed = DrafterTrainer(tiny_llama, cfg, None)
+    resumed.load(tmp_path / "resumed.pt")
+    assert resumed.step == 2
+    resumed.train(data, tmp_path / "resumed.pt")
+    assert resumed.step == 5
+    for name, p in straight.params.items():
+        assert torch.equal(p, resumed.params[name]), name
+    with pytest.raises(ValueError, match="other drafter settings"):
+        DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 4}), None).load(tmp_path / "resumed.pt")
+
+
+@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
+def test_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples, tmp_path, algorithm):
+    cfg = TrainConfig(**SMALL, algorithm=algorithm, max_steps=30, save_every=100)
+    ckpt = train_drafter(tiny_llama, examples, cfg, tmp_path / "out", tmp_path / "work", eval_prompts=3,
+                         eval_max_new_tokens=16, source="tiny test answers")
+    loaded = BlockDrafterCheckpoint.load(tmp_path / "out")
+    assert loaded.config == ckpt.config and loaded.weights["token_map"].shape == (160,)
+    if algorithm == "DSPARK":
+        assert len(loaded.config.confidence_temperatures) == 4
+        assert loaded.config.confidence_temperatures != (1.0,) * 4, "calibrated on the held-out examples"
+    card = (tmp_path / "out" / "README.md").read_text()
+    for row in ("| draft layers | 1 |", "| block size | 4 |", "| draft vocabulary | 160 of 257 |",
+                "| target layer ids | [0, 1] |", "| held-out | 3 |"):
+        assert row in card
+    assert ("| Markov rank | 8 |" in card) == (algorithm == "DSPARK")
+
+    prompts = [e.prompt_ids for e in examples[:6]]
+    plain = engine(tiny_llama).generate(prompts, GREEDY)
+    window = {"speculative_dspark_confidence_threshold": 0.3} if algorithm == "DSPARK" else {}
+    spec = engine(tiny_llama, speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path / "out"),
+                  speculative_dspark_block_size=4, **window)
+    outs = spec.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert spec.engine.stats.num_accepted_drafts > 0
+
+
+def save_hf_folder(ckpt, folder) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
+    save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(folder / "model.safetensors"))
+    ckpt.tokenizer.save_pretrained(folder)
+
+
+def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
+    save_hf_folder(tiny_llama, tmp_path / "target")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n"
+                                                    for w in ("cats", "dogs", "the sea", "rain", "maths", "tea")))
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    argv = ["--target-model-path", str(tmp_path / "target"), "--algorithm", "DFLASH", "--out", str(tmp_path / "out"),
+            "--data", str(tmp_path / "prompts.jsonl"), "--regen-max-new-tokens", "16", "--block-size", "4",
+            "--anchors", "4", "--batch-size", "2", "--max-len", "128", "--draft-vocab", "100",
+            "--dtype", "float64", "--eval-workloads", "", "--eval-prompts", "0"]
+    assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "3"])) == 0
+    work = tmp_path / "out.work"
+    assert len((work / "regenerated.jsonl").read_text().splitlines()) == 6
+    assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "5", "--resume"])) == 0
+    steps = [json.loads(line)["step"] for line in (work / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    assert BlockDrafterCheckpoint.load(tmp_path / "out").config.algorithm == "DFLASH"
+    with pytest.raises(ValueError, match="EAGLE"):
+        cmd_train_drafter(parser.parse_args([*argv, "--algorithm", "eagle"]))
+    assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
+    assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90
