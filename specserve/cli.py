@@ -1,4 +1,4 @@
-"""`specserve generate | serve | fetch-model | profile` (bench and train-drafter join as they land)."""
+"""`specserve generate | serve | bench | train-drafter | fetch-model | profile`."""
 from __future__ import annotations
 
 import argparse
@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure seconds per target forward vs verify rows (DSPARK budget)")
     add_profile_args(prof)
     prof.set_defaults(func=cmd_profile)
+
+    from specserve.train.train_drafter import add_train_args, cmd_train_drafter
+    train = sub.add_parser("train-drafter", help="train a DFLASH/DSPARK block drafter for a target")
+    add_train_args(train)
+    train.set_defaults(func=cmd_train_drafter)
 
     from specserve.bench.run import add_bench_args
     bench = sub.add_parser("bench", help="acceptance length and speed of each algorithm over the workload suite")

@@ -8,20 +8,21 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.bench.data import WORKLOADS
 from specserve.engine import LLM
 from specserve.kv_pages import KVPool, slots_for
-from specserve.loader.safetensors import hf_config
 from specserve.models.block_drafter import (BlockDrafter, BlockDrafterCheckpoint, dense_block_forward,
                                             random_block_drafter)
 from specserve.models.layers import Rope
 from specserve.models.llama import LlamaModel
 from specserve.train.data import Example, build_token_map
-from specserve.train.train_drafter import (DrafterTrainer, TrainConfig, add_train_args, cmd_train_drafter, make_batch,
-                                           sample_anchors, seeded, train_drafter, usable_examples)
+from specserve.train.train_drafter import (DrafterTrainer, TrainConfig, add_train_args, cmd_train_drafter,
+                                           eval_workloads, make_batch, sample_anchors, seeded, train_drafter,
+                                           usable_examples)
 from specserve.types import SamplingParams
+from tests.conftest import save_hf_folder
 from tests.test_block_drafter import record_proposals
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -200,11 +201,11 @@ def test_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples,
     assert spec.engine.stats.num_accepted_drafts > 0
 
 
-def save_hf_folder(ckpt, folder) -> None:
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(hf_config(ckpt.config)))
-    save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(folder / "model.safetensors"))
-    ckpt.tokenizer.save_pretrained(folder)
+def test_model_card_workloads_are_the_bench_prompts_first_turns(tiny_llama, monkeypatch):
+    monkeypatch.setitem(WORKLOADS, "mtbench", lambda: [("x" * 500, "never asked"), ("Hi", "More?"), ("Yo",)])
+    chat = engine(tiny_llama).engine.encode
+    assert eval_workloads("mtbench", tiny_llama.tokenizer, 1, 100) == {"mtbench": [chat("Hi", chat=True)]}
+    assert eval_workloads("", tiny_llama.tokenizer, 1, 100) == {}
 
 
 def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):

@@ -35,7 +35,7 @@ from specserve.models.llama import LlamaModel
 from specserve.train.data import (Example, build_token_map, is_regenerated, jsonl_prompts, load_examples,
                                   regenerate, sharegpt_path, sharegpt_prompts)
 from specserve.train.losses import LossTerms, LossWeights, acceptance, block_loss, fit_temperatures, valid_rows
-from specserve.types import SamplingParams
+from specserve.types import SamplingParams, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -355,22 +355,22 @@ def saved_token_map(state_path: Path) -> torch.Tensor | None:
 # ---- evaluation and the model card -------------------------------------------------------------
 
 def measure_acceptance(target: LoadedCheckpoint, folder: Path, config: BlockDrafterConfig, dtype: str,
-                       workloads: dict[str, list[str | list[int]]], count: int, max_new_tokens: int,
-                       max_prompt_tokens: int) -> dict[str, tuple[int, float]]:
-    """Greedy acceptance length of the exported drafter per workload: the first `count` prompts of at
-    most `max_prompt_tokens` tokens (text is chat-templated), every block verified in full."""
+                       workloads: dict[str, list[list[int]]], max_new_tokens: int) -> dict[str, tuple[int, float]]:
+    """Greedy acceptance length of the exported drafter on each workload's prompts (token ids), every
+    block verified in full → {workload: (prompts, acceptance length)}."""
+    from specserve.bench.run import output_stats
+
+    window = {"speculative_dspark_confidence_threshold": 0.0} if config.algorithm == "DSPARK" else {}
+    longest = max(len(p) for prompts in workloads.values() for p in prompts)
+    llm = LLM(checkpoint=target, dtype=dtype, speculative_algorithm=config.algorithm,
+              speculative_draft_model_path=str(folder), speculative_dspark_block_size=config.block_size,
+              max_model_len=longest + max_new_tokens + 1, **window)
     table = {}
     for name, prompts in workloads.items():
-        window = {"speculative_dspark_confidence_threshold": 0.0} if config.algorithm == "DSPARK" else {}
-        llm = LLM(checkpoint=target, dtype=dtype, speculative_algorithm=config.algorithm,
-                  speculative_draft_model_path=str(folder), speculative_dspark_block_size=config.block_size,
-                  max_model_len=max_prompt_tokens + max_new_tokens + 1, **window)
-        ids = (p if isinstance(p, list) else llm.engine.encode(p, chat=True) for p in prompts)
-        chosen = [p for p in ids if len(p) <= max_prompt_tokens][:count]
-        if not chosen:
-            continue
-        llm.generate(chosen, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), use_tqdm=True)
-        table[name] = (len(chosen), llm.engine.stats.accept_length)
+        stats = SpecStats()
+        for out in llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), use_tqdm=True):
+            stats.merge(output_stats(out))
+        table[name] = (len(prompts), stats.accept_length)
     return table
 
 
@@ -395,8 +395,8 @@ def model_card(ckpt: BlockDrafterCheckpoint, summary: dict[str, str],
              "## Training", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in summary.items()), ""]
     if acceptance_lengths:
         lines += ["## Acceptance length", "",
-                  f"Greedy decoding, block size {c.block_size}, every draft verified; acceptance length = "
-                  "tokens emitted per target forward (bonus token included).", "",
+                  f"Greedy decoding of first turns, block size {c.block_size}, every draft verified; acceptance "
+                  "length = tokens emitted per target forward (bonus token included).", "",
                   "| workload | prompts | acceptance length |", "|---|---|---|",
                   *(f"| {name} | {n} | {tau:.2f} |" for name, (n, tau) in acceptance_lengths.items()), ""]
     return "\n".join(lines)
@@ -405,10 +405,10 @@ def model_card(ckpt: BlockDrafterCheckpoint, summary: dict[str, str],
 # ---- the whole run -----------------------------------------------------------------------------
 
 def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainConfig, out: Path, work_dir: Path,
-                  resume: bool = False, eval_workloads: dict[str, list[str | list[int]]] | None = None,
-                  eval_prompts: int = 8, eval_max_new_tokens: int = 128, max_prompt_tokens: int = 1024,
-                  source: str = "") -> BlockDrafterCheckpoint:
-    """Train on `examples`, calibrate on the held-out ones, export to `out` with its model card."""
+                  resume: bool = False, eval_workloads: dict[str, list[list[int]]] | None = None,
+                  eval_prompts: int = 8, eval_max_new_tokens: int = 128, source: str = "") -> BlockDrafterCheckpoint:
+    """Train on `examples`, calibrate on the held-out ones, export to `out` with its model card, whose
+    acceptance table covers `eval_prompts` held-out prompts and the given workloads (chat token ids)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     usable = usable_examples(examples, cfg.max_len)
     holdout_count = min(cfg.holdout, len(usable) // 10)
@@ -431,9 +431,10 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
     trainer.train(train_set, state_path, log_path=work_dir / "train_log.jsonl")
     ckpt = trainer.checkpoint(trainer.calibrate(holdout))
     ckpt.save(out)
-    workloads = {"held-out": [e.prompt_ids for e in holdout], **(eval_workloads or {})}
+    workloads = {"held-out": [e.prompt_ids for e in holdout[:eval_prompts]], **(eval_workloads or {})}
+    workloads = {name: prompts for name, prompts in workloads.items() if prompts}
     table = measure_acceptance(target, out, ckpt.config, str(trainer.dtype).removeprefix("torch."), workloads,
-                               eval_prompts, eval_max_new_tokens, max_prompt_tokens) if eval_prompts else {}
+                               eval_max_new_tokens) if workloads else {}
     tokens = sum(len(e.prompt_ids) + len(e.output_ids) for e in train_set)
     summary = {"data": source or "regenerated by the target", "training examples": f"{len(train_set):,} "
                f"({tokens:,} tokens)", "held-out examples": len(holdout), "steps": trainer.step,
@@ -490,23 +491,24 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--save-every", type=int, default=d.save_every, help="steps between training checkpoints")
     a("--seed", type=int, default=d.seed)
     a("--resume", action="store_true", help="continue from the training state in the work dir")
-    a("--eval-workloads", default="sharegpt,humaneval",
-      help="comma-separated workloads for the model card's acceptance table, besides held-out ('' for none)")
+    a("--eval-workloads", default="sharegpt,humaneval,mtbench,math500",
+      help="comma-separated `specserve bench` workloads (first turns) for the model card's acceptance table, "
+           "besides held-out prompts ('' for none)")
     a("--eval-prompts", type=int, default=8, help="prompts per workload (0: no acceptance table)")
     a("--eval-max-new-tokens", type=int, default=128)
     a("--threads", type=int, default=None, help="torch CPU threads")
 
 
-def eval_workloads(names: str) -> dict[str, list[str | list[int]]]:
-    from specserve.bench.data import humaneval_prompts
+def eval_workloads(names: str, tokenizer, count: int, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+    """The opening turns `specserve bench --num-prompts count` would pick, chat-templated."""
+    from specserve.bench.data import load_workload
+    from specserve.bench.run import chat_ids, messages, select_prompts
 
-    sources = {"sharegpt": lambda: [p.text for p in sharegpt_prompts(sharegpt_path(), "eval")],
-               "humaneval": humaneval_prompts}
-    chosen = [n for n in names.split(",") if n]
-    unknown = [n for n in chosen if n not in sources]
-    if unknown:
-        raise ValueError(f"unknown --eval-workloads {unknown}; choose from {', '.join(sources)}")
-    return {n: sources[n]() for n in chosen}
+    loaded = {name: load_workload(name) for name in names.split(",") if name}
+    if not loaded:
+        return {}
+    return {name: [chat_ids(tokenizer, messages(c[:1], [])) for c in conversations]
+            for name, conversations in select_prompts(tokenizer, loaded, count, max_prompt_tokens).items()}
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -543,9 +545,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                    max_running=args.regen_batch)
         del llm                        # its KV pool is sized for the whole regeneration batch
     examples = load_examples(data_path)
-    workloads = eval_workloads(args.eval_workloads) if args.eval_prompts else {}
+    workloads = (eval_workloads(args.eval_workloads, target.tokenizer, args.eval_prompts, args.max_prompt_tokens)
+                 if args.eval_prompts else {})
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
-                  eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
-                  max_prompt_tokens=args.max_prompt_tokens, source=source)
+                  eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source)
     print(out)
     return 0
