@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
+from typing import TypeVar
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
+C = TypeVar("C")
 
 ARCHITECTURE = "BlockDrafter"
 
@@ -101,6 +104,27 @@ def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def save_drafter_folder(folder: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+
+
+def read_drafter_folder(folder: str | Path, kind: str, parse: Callable[[dict, str], C]) -> tuple[C, dict[str, torch.Tensor]]:
+    """A drafter folder's config (parsed, and so checked, before the weights are read) and weights;
+    `kind` names what was expected in errors."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise ModelLoadError(f"{folder} is not {kind}: --speculative-draft-model-path "
+                             "needs a folder with config.json and model.safetensors")
+    try:
+        config = parse(json.loads((folder / "config.json").read_text()), str(folder))
+        return config, load_file(str(folder / "model.safetensors"))
+    except (json.JSONDecodeError, SafetensorError) as e:
+        raise ModelLoadError(f"{folder} is corrupt ({e})") from e
+
+
 @dataclass
 class BlockDrafterCheckpoint:
     config: BlockDrafterConfig
@@ -108,22 +132,11 @@ class BlockDrafterCheckpoint:
     source: str = ""
 
     def save(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=1))
-        save_file({k: v.contiguous() for k, v in self.weights.items()}, str(folder / "model.safetensors"))
+        save_drafter_folder(folder, self.config.to_json(), self.weights)
 
     @staticmethod
     def load(folder: str | Path) -> BlockDrafterCheckpoint:
-        folder = Path(folder)
-        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-            raise ModelLoadError(f"{folder} is not a block drafter checkpoint: --speculative-draft-model-path "
-                                 "needs a folder with config.json and model.safetensors")
-        try:
-            config = BlockDrafterConfig.from_json(json.loads((folder / "config.json").read_text()), str(folder))
-            weights = load_file(str(folder / "model.safetensors"))
-        except (json.JSONDecodeError, SafetensorError) as e:
-            raise ModelLoadError(f"{folder} is corrupt ({e})") from e
+        config, weights = read_drafter_folder(folder, "a block drafter checkpoint", BlockDrafterConfig.from_json)
         return BlockDrafterCheckpoint(config, weights, str(folder))
 
     def validate(self, algorithm: str, target: ModelConfig, token_map: torch.Tensor | None) -> None:

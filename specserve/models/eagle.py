@@ -14,20 +14,17 @@ model.safetensors in Hugging Face layout ([out, in] weights; the layer is `model
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import ModelLoadError
-from specserve.models.block_drafter import default_layer_ids
+from specserve.models.block_drafter import default_layer_ids, read_drafter_folder, save_drafter_folder
 from specserve.models.layers import Linear, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
 
@@ -84,22 +81,11 @@ class EagleCheckpoint:
     source: str = ""
 
     def save(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(self.config.to_json(), indent=1))
-        save_file({k: v.contiguous() for k, v in self.weights.items()}, str(folder / "model.safetensors"))
+        save_drafter_folder(folder, self.config.to_json(), self.weights)
 
     @staticmethod
     def load(folder: str | Path) -> EagleCheckpoint:
-        folder = Path(folder)
-        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-            raise ModelLoadError(f"{folder} is not an EAGLE checkpoint: --speculative-draft-model-path "
-                                 "needs a folder with config.json and model.safetensors")
-        try:
-            config = EagleConfig.from_json(json.loads((folder / "config.json").read_text()), str(folder))
-            weights = load_file(str(folder / "model.safetensors"))
-        except (json.JSONDecodeError, SafetensorError) as e:
-            raise ModelLoadError(f"{folder} is corrupt ({e})") from e
+        config, weights = read_drafter_folder(folder, "an EAGLE checkpoint", EagleConfig.from_json)
         return EagleCheckpoint(config, weights, str(folder))
 
     def validate(self, target: ModelConfig) -> None:
