@@ -103,7 +103,6 @@ def test_table_without_plain_decoding_has_no_comparisons():
 
 
 def test_plot_writes_a_png(record, tmp_path):
-    pytest.importorskip("matplotlib")
     plot(record, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

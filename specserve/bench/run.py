@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -252,8 +251,6 @@ def run_bench(args: argparse.Namespace) -> int:
                            "--workloads")
     if args.num_prompts < 1 or args.batch_size < 1:
         raise ValueError("--num-prompts and --batch-size must be >= 1")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib")
     own = {a: getattr(args, f"draft_model_path_{a}") for a in DRAFTER_ALGORITHMS}
     drafters = drafter_paths(algorithms, own, args.speculative_draft_model_path)
     skipped = {a: f"no drafter given (--draft-model-path-{a})" for a, path in drafters.items() if not path}
