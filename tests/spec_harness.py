@@ -32,7 +32,13 @@ def make_engine(ckpt: LoadedCheckpoint, draft: LoadedCheckpoint | None = None, *
 def run(ckpt: LoadedCheckpoint, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         draft: LoadedCheckpoint | None = None, poison: bool = False, **engine_kw) -> Run:
     """Generate to the end; with `poison`, every free page of every pool is NaN before each step."""
-    engine = make_engine(ckpt, draft, **engine_kw)
+    return drive(make_engine(ckpt, draft, **engine_kw), prompts, params, poison)
+
+
+def drive(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+          poison: bool = False) -> Run:
+    """Generate to the end on an engine the caller built (and may have hooked), checking page and
+    proposer bookkeeping after every step."""
     kv = capture_kv_at_finish(engine)
     param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, param_list, strict=True)]
@@ -40,9 +46,7 @@ def run(ckpt: LoadedCheckpoint, prompts: Sequence[Sequence[int]], params: Sampli
     while engine.has_unfinished:
         if poison:
             poison_free_pages(engine)
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+        finals |= {out.request_id: out for out in engine.step() if out.finished}
         assert_consistent(engine)
     return Run([finals[i] for i in ids], kv, engine)
 

@@ -20,7 +20,8 @@ from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_
 from specserve.profile import STARTUP_ROWS
 from specserve.spec.budget import CostTable
 from specserve.types import Request, SamplingParams
-from tests.spec_harness import (Run, assert_consistent, assert_stats_consistent, capture_kv_at_finish, make_engine,
+from tests import spec_harness
+from tests.spec_harness import (Run, assert_consistent, assert_stats_consistent, make_engine,
                                 mean_accept_length, poison_free_pages, run)
 from tests.test_block_drafter import record_proposals
 from tests.test_spec_lossless import BATCHES, GREEDY, MATRIX_ENGINE, PROMPTS, make_prompts
@@ -85,17 +86,7 @@ CASES = {
 
 
 def drive(engine: Engine, prompts, params, poison: bool = True) -> Run:
-    """Generate to the end like spec_harness.run, on an engine the caller has already hooked."""
-    kv = capture_kv_at_finish(engine)
-    param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, param_list, strict=True)]
-    finals = {}
-    while engine.has_unfinished:
-        if poison:
-            poison_free_pages(engine)
-        finals |= {out.request_id: out for out in engine.step() if out.finished}
-        assert_consistent(engine)
-    return Run([finals[i] for i in ids], kv, engine)
+    return spec_harness.drive(engine, prompts, params, poison)
 
 
 def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
