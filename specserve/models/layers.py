@@ -1,5 +1,5 @@
-"""Building blocks shared by the target model and the drafters. Weights are stored [in, out] and
-applied as `x @ W`: on this CPU F.linear's [out, in] path is several times slower for 4–32 rows."""
+"""Building blocks shared by the target model and the drafters: norms, rotary embedding, and the fp32
+linear layer (oneDNN-prepacked weights; see Linear for why)."""
 from __future__ import annotations
 
 import torch
