@@ -29,19 +29,8 @@ import httpx
 import numpy as np
 import openai
 
+from benchmarks.common import CHAT_PROMPTS as PROMPTS
 from benchmarks.common import write_result
-
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash map works to a new programmer.",
-    "What are the main causes of the French Revolution?",
-    "Give me a recipe for a vegetarian lasagna.",
-    "Describe the water cycle in simple terms.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "What is the difference between a virus and a bacterium?",
-    "Plan a three-day trip to Rome for a family with two children.",
-]
-
 
 def free_port() -> int:
     with socket.socket() as s:

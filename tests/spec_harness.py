@@ -51,6 +51,34 @@ def drive(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingPara
     return Run([finals[i] for i in ids], kv, engine)
 
 
+def replay_traffic(engine: Engine, ops, poison: bool = False, max_drain_steps: int = 1000) -> None:
+    """Apply random ("submit", prompt, max_new, greedy) / ("abort", i) / ("step",) operations, then finish
+    everything; bookkeeping is checked after each operation and every page and proposer state must end free."""
+    live: list[str] = []
+    for op in ops:
+        if op[0] == "submit":
+            _, prompt, max_new, greedy = op
+            params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=max_new, ignore_eos=True)
+            live.append(engine.add_request(prompt, params))
+        elif op[0] == "abort" and live:
+            engine.abort(live.pop(op[1] % len(live)))
+        else:
+            if poison:
+                poison_free_pages(engine)
+            engine.step()
+        assert_consistent(engine)
+    for _ in range(max_drain_steps):
+        if not engine.has_unfinished:
+            break
+        if poison:
+            poison_free_pages(engine)
+        engine.step()
+        assert_consistent(engine)
+    alloc = engine.allocator
+    assert not engine.has_unfinished and alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+    assert not getattr(engine.proposer, "num_valid", {})
+
+
 def poison_free_pages(engine: Engine) -> None:
     free = engine.allocator.free_page_ids()
     for pool in (engine.pool, engine.draft_pool):

@@ -21,8 +21,8 @@ from specserve.profile import STARTUP_ROWS
 from specserve.spec.budget import CostTable
 from specserve.types import Request, SamplingParams
 from tests import spec_harness
-from tests.spec_harness import (Run, assert_consistent, assert_stats_consistent, make_engine,
-                                mean_accept_length, poison_free_pages, run)
+from tests.spec_harness import (Run, assert_stats_consistent, make_engine,
+                                mean_accept_length, replay_traffic, run)
 from tests.test_block_drafter import record_proposals
 from tests.test_spec_lossless import BATCHES, GREEDY, MATRIX_ENGINE, PROMPTS, make_prompts
 
@@ -308,22 +308,4 @@ OPS = st.lists(st.one_of(
 def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, drafters, ops):
     engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4,
                          **CASES["dspark-threshold"](drafters))
-    live: list[str] = []
-    for op in ops:
-        if op[0] == "submit":
-            _, prompt, max_new, greedy = op
-            params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=max_new, ignore_eos=True)
-            live.append(engine.add_request(prompt, params))
-        elif op[0] == "abort" and live:
-            engine.abort(live.pop(op[1] % len(live)))
-        else:
-            poison_free_pages(engine)
-            engine.step()
-        assert_consistent(engine)
-    while engine.has_unfinished:
-        poison_free_pages(engine)
-        engine.step()
-        assert_consistent(engine)
-    alloc = engine.allocator
-    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
-    assert not engine.proposer.num_valid
+    replay_traffic(engine, ops, poison=True)

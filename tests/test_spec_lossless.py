@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.types import SamplingParams
-from tests.spec_harness import (assert_consistent, assert_stats_consistent, first_layers, make_engine,
-                                mean_accept_length, run, shifted_head)
+from tests.spec_harness import (assert_stats_consistent, first_layers, make_engine,
+                                mean_accept_length, replay_traffic, run, shifted_head)
 from tests.test_eagle import eagle_kwargs, programmed_head
 
 # name → (engine kwargs for a target checkpoint, the mean accept length it must reach at K=8, batch 4)
@@ -148,22 +148,4 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS)
 def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, spec_kwargs, case, ops):
     engine = make_engine(tiny_llama, num_pages=7, speculative_num_draft_tokens=4, **spec_kwargs(case))
-    live: list[str] = []
-    for op in ops:
-        if op[0] == "submit":
-            _, prompt, max_new, greedy = op
-            params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=max_new, ignore_eos=True)
-            live.append(engine.add_request(prompt, params))
-        elif op[0] == "abort" and live:
-            engine.abort(live.pop(op[1] % len(live)))
-        else:
-            engine.step()
-        assert_consistent(engine)
-    for _ in range(1000):
-        if not engine.has_unfinished:
-            break
-        engine.step()
-        assert_consistent(engine)
-    alloc = engine.allocator
-    assert not engine.has_unfinished and alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
-    assert not getattr(engine.proposer, "num_valid", {})
+    replay_traffic(engine, ops)
