@@ -17,6 +17,7 @@ ENGINE_FLAGS = {
     "--page-size": ("page_size", int, 16, "tokens per KV page"),
     "--kv-cache-memory": ("memory_bytes", int, 1 << 30, "bytes for all KV pools together"),
     "--threads": ("num_threads", int, None, "torch CPU threads"),
+    "--disable-radix-cache": ("disable_radix_cache", bool, False, "turn off prefix reuse across requests"),
     "--speculative-algorithm": ("speculative_algorithm", str, "NONE", "NONE | NGRAM | STANDALONE | EAGLE | DFLASH | DSPARK"),
     "--speculative-num-draft-tokens": ("speculative_num_draft_tokens", int, 0,
                                        "drafts per step for NGRAM/STANDALONE/EAGLE (0: the default, 4/4/3)"),
@@ -37,7 +38,10 @@ ENGINE_FLAGS = {
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flags, (dest, typ, default, help_text) in ENGINE_FLAGS.items():
-        parser.add_argument(*flags.split("|"), dest=dest, type=typ, default=default, help=help_text)
+        if typ is bool:
+            parser.add_argument(*flags.split("|"), dest=dest, action="store_true", help=help_text)
+        else:
+            parser.add_argument(*flags.split("|"), dest=dest, type=typ, default=default, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -33,6 +33,7 @@ class CacheConfig:
     page_size: int = 16
     memory_bytes: int = 1 << 30          # budget for all KV pools together
     num_pages: int | None = None         # overrides memory_bytes when set (tests)
+    disable_radix_cache: bool = False    # True: no prefix reuse across requests
 
 
 @dataclass(frozen=True)

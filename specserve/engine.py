@@ -15,6 +15,7 @@ from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecCon
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.models import ARCHITECTURES
+from specserve.radix_cache import RadixCache
 from specserve.runner import ForwardOutput, ModelRunner
 from specserve.scheduler import Scheduler
 from specserve.spec import TargetInfo, build_proposer
@@ -62,7 +63,9 @@ class Engine:
         self.max_model_len = min(config.scheduler.max_model_len or ckpt.config.max_position_embeddings,
                                  ckpt.config.max_position_embeddings, num_pages * cache.page_size)
         draft_slots = self.proposer.draft_slots if self.proposer is not None else (lambda req: 0)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len, draft_slots)
+        self.prefix_cache = None if cache.disable_radix_cache else RadixCache(self.allocator, cache.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len, draft_slots,
+                                   self.prefix_cache)
         self.eos_token_ids = set(ckpt.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -122,6 +125,12 @@ class Engine:
         self._finish(req, "abort")
         return self.output(req)
 
+    def num_cache_only_pages(self) -> int:
+        """Pages no request holds, kept by the prefix cache (evicted when the allocator runs low)."""
+        if self.prefix_cache is None:
+            return 0
+        return sum(self.allocator.refcounts[p] == 1 for p in self.prefix_cache.cached_pages())
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -161,6 +170,11 @@ class Engine:
                 self.requests.pop(req.request_id, None)
         if self.proposer is not None:
             self.proposer.commit(plan, result, out)
+        for sched in plan.scheduled:
+            # A finished prefill is cached at once, so requests running beside it share it too.
+            req = sched.request
+            if not req.finished and sched.samples and sched.start < len(req.prompt_token_ids):
+                self._cache_prefix(req)
         return outputs
 
     def _append(self, req: Request, res) -> int:
@@ -184,7 +198,18 @@ class Engine:
                 return i + 1
         return len(res.emitted)
 
+    def _cache_prefix(self, req: Request) -> None:
+        """Insert the request's whole pages whose target KV and draft context are both written."""
+        if self.prefix_cache is None or not req.pages:
+            return
+        valid = req.num_computed_tokens
+        if self.proposer is not None:
+            valid = min(valid, self.proposer.context_length(req))
+        num_pages = valid // self.pool.page_size
+        self.prefix_cache.insert(req.all_token_ids[:num_pages * self.pool.page_size], req.pages[:num_pages])
+
     def _finish(self, req: Request, reason: str) -> None:
+        self._cache_prefix(req)
         self.scheduler.finish(req, reason)
         if self.proposer is not None:
             self.proposer.release(req)
@@ -207,7 +232,7 @@ class Engine:
             token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
             logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
             top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
-            spec=req.stats.as_dict(), num_preemptions=req.num_preemptions,
+            spec=req.stats.as_dict(), num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
             time_to_first_token=(req.first_token_time - req.arrival_time) if req.first_token_time else None)
 
 

@@ -1,6 +1,8 @@
 """Continuous batching: running requests first (decode or their next prefill chunk), then admission
-from the queue under a token budget. When pages run out the newest running request is preempted:
-its pages are freed and it is recomputed from scratch later (its emitted tokens are kept)."""
+from the queue under a token budget. An admitted request starts after its longest cached prefix
+(radix_cache.py). When pages run out, unused cached prefixes are evicted first; then the newest
+running request is preempted: its pages are freed and it is recomputed later (its emitted tokens are
+kept)."""
 from __future__ import annotations
 
 from collections import deque
@@ -8,6 +10,7 @@ from collections.abc import Callable
 
 from specserve.config import SchedulerConfig
 from specserve.kv_pages import OutOfPages, PageAllocator
+from specserve.radix_cache import RadixCache
 from specserve.types import Request, RequestStatus, ScheduledRequest, StepPlan
 
 
@@ -17,12 +20,14 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, max_model_len: int,
-                 draft_slots: Callable[[Request], int] = lambda req: 0) -> None:
+                 draft_slots: Callable[[Request], int] = lambda req: 0,
+                 prefix_cache: RadixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.draft_slots = draft_slots       # how many draft tokens the proposer may append for a request
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -47,9 +52,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_running_requests):
             req = self.waiting[0]
+            self._reuse_prefix(req)
             sched = self._plan(req, budget)
             if not self._grow(req, sched.start + sched.num_feed + sched.max_drafts):
+                self._drop_pages(req)
+                req.num_computed_tokens = req.num_cached_tokens = 0
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.stats.record(req.num_tokens, req.num_cached_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -79,21 +89,36 @@ class Scheduler:
                 return None
         return sched
 
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start the request after its cached prefix, keeping at least one token to feed (its logits)."""
+        if self.prefix_cache is None:
+            return
+        tokens = req.all_token_ids
+        req.pages = self.prefix_cache.acquire(req.request_id, tokens, len(tokens) - 1)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.pages) * self.page_size
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
         if extra <= 0:
             return True
+        if self.prefix_cache is not None and not self.prefix_cache.evict(extra):
+            return False
         try:
             req.pages.extend(self.allocator.allocate(extra))
         except OutOfPages:
             return False
         return True
 
-    def preempt(self, req: Request) -> None:
-        self.running.remove(req)
+    def _drop_pages(self, req: Request) -> None:
         self.allocator.free(req.pages)
         req.pages = []
-        req.num_computed_tokens = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req.request_id)
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._drop_pages(req)
+        req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -103,8 +128,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
+        self._drop_pages(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

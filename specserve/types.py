@@ -131,6 +131,7 @@ class Request:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0          # tokens whose target KV is valid
+    num_cached_tokens: int = 0            # of those, taken from the prefix cache at admission
     num_preemptions: int = 0
     first_token_time: float | None = None
     stop_text_len: int | None = None      # text cut at a stop string
@@ -209,4 +210,5 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None
     spec: dict | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache
     time_to_first_token: float | None = None

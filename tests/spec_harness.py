@@ -74,8 +74,8 @@ def replay_traffic(engine: Engine, ops, poison: bool = False, max_drain_steps: i
             poison_free_pages(engine)
         engine.step()
         assert_consistent(engine)
-    alloc = engine.allocator
-    assert not engine.has_unfinished and alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+    assert not engine.has_unfinished
+    assert_pages_released(engine)
     assert not getattr(engine.proposer, "num_valid", {})
 
 
@@ -106,12 +106,31 @@ def capture_kv_at_finish(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.
     return captured
 
 
+def cached_pages(engine: Engine) -> Counter:
+    return Counter(engine.prefix_cache.cached_pages() if engine.prefix_cache is not None else ())
+
+
+def assert_pages_released(engine: Engine) -> None:
+    """No request holds a page: each page's only reference is the prefix cache's, and dropping the
+    cache frees every page."""
+    alloc = engine.allocator
+    cached = cached_pages(engine)
+    assert alloc.refcounts == [cached[p] for p in range(alloc.num_pages)]
+    if engine.prefix_cache is not None:
+        assert not engine.prefix_cache.locked_request_ids(), "a finished request still locks the cache"
+        engine.prefix_cache.clear()
+    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+
+
 def assert_consistent(engine: Engine) -> None:
-    """Refcounts equal the pages held by running requests, the free list is exactly the unheld pages,
-    and a proposer's per-request state (`num_valid`, where it keeps one) names running requests only."""
+    """Refcounts equal the pages held by running requests plus the prefix cache's, the free list is
+    exactly the unheld pages, and a proposer's per-request state (`num_valid`, where it keeps one) and
+    the cache's locks name running requests only."""
     sched, alloc = engine.scheduler, engine.allocator
-    held = Counter(p for r in sched.running for p in r.pages)
+    held = Counter(p for r in sched.running for p in r.pages) + cached_pages(engine)
     assert all(not r.pages for r in sched.waiting), "a waiting request holds pages"
+    if engine.prefix_cache is not None:
+        assert engine.prefix_cache.locked_request_ids() <= {r.request_id for r in sched.running}
     assert alloc.refcounts == [held[p] for p in range(alloc.num_pages)]
     assert sorted(alloc.free_page_ids()) == [p for p in range(alloc.num_pages) if not held[p]]
     tracked = getattr(engine.proposer, "num_valid", {})

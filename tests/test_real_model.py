@@ -8,6 +8,7 @@ import transformers
 from specserve.engine import LLM
 from specserve.loader import default_model_path
 from specserve.types import SamplingParams
+from tests.spec_harness import assert_pages_released
 
 pytestmark = pytest.mark.real_model
 
@@ -40,4 +41,4 @@ def test_batched_equals_alone_on_real_model(llm):
     # fp32 batched and single matmuls may round differently; near-ties are rare, report any
     same = sum(b.token_ids == a.token_ids for b, a in zip(batched, alone))
     assert same >= 3, [(b.text, a.text) for b, a in zip(batched, alone)]
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    assert_pages_released(llm.engine)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.types import SamplingParams
-from tests.spec_harness import (assert_stats_consistent, first_layers, make_engine,
+from tests.spec_harness import (assert_pages_released, assert_stats_consistent, first_layers, make_engine,
                                 mean_accept_length, replay_traffic, run, shifted_head)
 from tests.test_eagle import eagle_kwargs, programmed_head
 
@@ -82,8 +82,7 @@ def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch):
             # Exact up to float64 rounding: a verify window and a decode step multiply different shapes.
             torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=1e-12)
     assert_stats_consistent(spec, k)
-    alloc = spec.engine.allocator
-    assert alloc.num_free == alloc.num_pages and not any(alloc.refcounts)
+    assert_pages_released(spec.engine)
 
 
 @pytest.mark.parametrize("case", CASES)

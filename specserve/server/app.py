@@ -34,7 +34,7 @@ from specserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                        CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        Delta, ErrorInfo, ErrorResponse, ModelCard, ModelList, SpecUsage,
-                                       TokenLogprob, TopLogprob, Usage)
+                                       PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
 from specserve.types import RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
@@ -379,8 +379,9 @@ def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
                      num_accepted_drafts=sum(o.spec["num_accepted_drafts"] for o in finals),
                      num_proposed_drafts=sum(o.spec["num_proposed_drafts"] for o in finals),
                      accepted_histogram=histogram)
+    cached = PromptTokensDetails(cached_tokens=max((o.num_cached_tokens for o in finals), default=0))
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, spec=spec)
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=cached, spec=spec)
 
 
 def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,

@@ -23,8 +23,16 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specserve_time_per_output_token_seconds", "Mean time per token after the first",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.pages_used = Gauge("specserve_kv_pages_used", "KV pages in use", ["pool"], registry=r)
+        self.pages_used = Gauge("specserve_kv_pages_used", "KV pages held by requests", ["pool"], registry=r)
         self.pages_free = Gauge("specserve_kv_pages_free", "KV pages free", ["pool"], registry=r)
+        self.pages_cached = Gauge("specserve_kv_pages_cached",
+                                  "KV pages held only by the prefix cache (evictable)", ["pool"], registry=r)
+        self.prefix_hit_rate = Gauge("specserve_prefix_cache_hit_rate",
+                                     "Admitted prompt tokens served from the prefix cache, since start", registry=r)
+        self.prefix_hit_tokens = Counter("specserve_prefix_cache_hit_tokens", "Prompt tokens served from the cache",
+                                         registry=r)
+        self.prefix_evicted = Counter("specserve_prefix_cache_evicted_pages", "Pages evicted from the prefix cache",
+                                      registry=r)
         self.accept_length = Gauge("specserve_spec_accept_length",
                                    "Tokens emitted per verify step since start (bonus included)", registry=r)
         self.acceptance_rate = Gauge("specserve_spec_acceptance_rate",
@@ -37,6 +45,7 @@ class Metrics:
                                          "Drafts accepted at each window position (1 = first draft)", ["position"],
                                          registry=r)
         self._seen = SpecStats()    # engine totals already counted
+        self._seen_prefix = (0, 0)  # prefix cache hit tokens and evicted pages already counted
 
     def observe_engine(self, engine: Engine) -> None:
         """Engine thread only: scheduler and page gauges, and counter increments since the last call."""
@@ -44,9 +53,17 @@ class Metrics:
         self.waiting.set(len(engine.scheduler.waiting))
         pools = ["target"] + (["draft"] if engine.draft_pool is not None else [])
         free = engine.allocator.num_free
+        cache_only = engine.num_cache_only_pages()
         for pool in pools:   # both pools hold the same page ids, so their counts agree
-            self.pages_used.labels(pool).set(engine.allocator.num_pages - free)
+            self.pages_used.labels(pool).set(engine.allocator.num_pages - free - cache_only)
             self.pages_free.labels(pool).set(free)
+            self.pages_cached.labels(pool).set(cache_only)
+        if engine.prefix_cache is not None:
+            stats = engine.prefix_cache.stats
+            self.prefix_hit_rate.set(stats.hit_rate)
+            self.prefix_hit_tokens.inc(stats.hit_tokens - self._seen_prefix[0])
+            self.prefix_evicted.inc(stats.evicted_pages - self._seen_prefix[1])
+            self._seen_prefix = (stats.hit_tokens, stats.evicted_pages)
 
         total, seen = engine.stats, self._seen
         if total.verify_ct == seen.verify_ct:

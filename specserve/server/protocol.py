@@ -160,10 +160,15 @@ class SpecUsage(BaseModel):
     accepted_histogram: list[int]   # [k] = verify steps that accepted exactly k drafts
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int              # prompt tokens served by the radix prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     spec: SpecUsage | None = None
 
 

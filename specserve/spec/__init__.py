@@ -3,7 +3,9 @@
 A proposer drafts tokens for the scheduled requests (`propose`), and after the engine has committed
 a step it learns what was accepted (`commit`), with the target's hidden states of that forward.
 A proposer with its own KV (a draft model) declares its geometry; the engine sizes a draft pool over
-the same page ids as the target's and attaches it."""
+the same page ids as the target's and attaches it. The prefix cache shares those page ids, so a
+request that starts after `req.num_cached_tokens` cached tokens finds their draft context written:
+the engine caches only positions below `context_length`."""
 from __future__ import annotations
 
 import importlib
@@ -39,6 +41,7 @@ class Proposer(Protocol):
 
     def attach_pool(self, pool: KVPool) -> None: ...
     def draft_slots(self, req: Request) -> int: ...
+    def context_length(self, req: Request) -> int: ...   # leading positions whose draft state is written
     def propose(self, plan: StepPlan) -> Proposal: ...
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None: ...
     def release(self, req: Request) -> None: ...

@@ -98,7 +98,10 @@ class BlockDrafterProposer:
 
     def ready(self, req: Request) -> bool:
         """Whether the draft context holds every token before the anchor, so that a block may run."""
-        return self.num_valid.get(req.request_id, 0) == req.num_computed_tokens == req.num_tokens - 1
+        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
+
+    def context_length(self, req: Request) -> int:
+        return self.num_valid.get(req.request_id, req.num_cached_tokens)
 
     def draft_slots(self, req: Request) -> int:
         return self.gamma if self.ready(req) else 0
@@ -198,7 +201,7 @@ class BlockDrafterProposer:
             req = s.request
             # A finished request's pages are gone; a gap in the context would never fill, so such a
             # request stops drafting rather than attend to unwritten KV.
-            if req.finished or self.num_valid.get(req.request_id, 0) != s.start:
+            if req.finished or self.context_length(req) != s.start:
                 continue
             end = req.num_computed_tokens
             rows += range(offset, offset + end - s.start)

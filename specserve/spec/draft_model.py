@@ -81,6 +81,9 @@ class DraftModelProposer:
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
 
+    def context_length(self, req: Request) -> int:
+        return self.num_valid.get(req.request_id, req.num_cached_tokens)
+
     def draft_slots(self, req: Request) -> int:
         return self.k
 
@@ -95,7 +98,7 @@ class DraftModelProposer:
 
         tokens, positions, spans, rows = [], [], [], []
         for _, req, _ in jobs:
-            start = self.num_valid.get(req.request_id, 0)
+            start = self.context_length(req)
             tokens += req.all_token_ids[start:]
             positions += range(start, req.num_tokens)
             spans.append(SeqSpan(req.pages, start, req.num_tokens - start))

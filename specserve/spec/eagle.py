@@ -41,6 +41,9 @@ class EagleProposer:
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}            # request id → leading positions whose draft K/V is written
         self.features: dict[str, torch.Tensor] = {}    # request id → real feature of position num_valid - 1, [hidden]
+        # page id → real feature of the page's last position, written with its K/V: a request that
+        # starts after a cached prefix takes the feature of the prefix's last token from here
+        self.page_features: dict[int, torch.Tensor] = {}
         self.no_feature = drafter.model.embed.new_zeros(drafter.config.hidden_size)   # of position -1
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
@@ -60,7 +63,10 @@ class EagleProposer:
 
     def ready(self, req: Request) -> bool:
         """Whether the draft context holds every position before the anchor."""
-        return self.num_valid.get(req.request_id, 0) == req.num_computed_tokens == req.num_tokens - 1
+        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
+
+    def context_length(self, req: Request) -> int:
+        return self.num_valid.get(req.request_id, req.num_cached_tokens)
 
     def draft_slots(self, req: Request) -> int:
         return self.k if self.ready(req) else 0
@@ -75,7 +81,7 @@ class EagleProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in plan.scheduled]   # q rows of sampled requests
         active = jobs
         tokens = [req.all_token_ids[-1] for _, req, _ in jobs]
-        features = torch.stack([self.features.get(req.request_id, self.no_feature) for _, req, _ in jobs])
+        features = torch.stack([self.feature(req) for _, req, _ in jobs])
         for r in range(max(m for *_, m in jobs)):
             positions = [req.num_tokens - 1 + r for _, req, _ in active]
             spans = [SeqSpan(req.pages, pos, 1) for (_, req, _), pos in zip(active, positions)]
@@ -91,16 +97,16 @@ class EagleProposer:
 
     @torch.inference_mode()
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
-        committed: list[tuple[str, int]] = []   # (request id, its first row)
+        committed: list[tuple[Request, int]] = []   # (request, its first row)
         rows, tokens, positions, slots = [], [], [], []
         for s, offset in zip(plan.scheduled, out.token_offsets):
             req = s.request
             # A finished request's pages are gone; a gap in the context (target KV that came without it)
             # would never fill, so such a request stops drafting rather than attend to unwritten KV.
-            if req.finished or self.num_valid.get(req.request_id, 0) != s.start:
+            if req.finished or self.context_length(req) != s.start:
                 continue
             end = req.num_computed_tokens
-            committed.append((req.request_id, len(rows)))
+            committed.append((req, len(rows)))
             rows += range(offset, offset + end - s.start)
             tokens += req.all_token_ids[s.start:end]
             positions += range(s.start, end)
@@ -112,12 +118,24 @@ class EagleProposer:
         firsts = [first for _, first in committed]
         # Each row takes the feature of the position before it: this step's, or the one kept from the last.
         previous = fused.roll(1, dims=0)
-        previous[firsts] = torch.stack([self.features.get(rid, self.no_feature) for rid, _ in committed])
+        previous[firsts] = torch.stack([self.feature(req) for req, _ in committed])
         self.drafter.write_context(torch.tensor(tokens), previous, torch.tensor(positions), torch.tensor(slots),
                                    self.pool)
         last = fused[[first - 1 for first in firsts[1:]] + [len(rows) - 1]]
-        for (rid, _), feature in zip(committed, last):
-            self.features[rid] = feature
+        for (req, _), feature in zip(committed, last):
+            self.features[req.request_id] = feature
+        page_size = self.pool.page_size
+        for row, (position, slot) in enumerate(zip(positions, slots)):
+            if (position + 1) % page_size == 0:
+                self.page_features[slot // page_size] = fused[row]
+
+    def feature(self, req: Request) -> torch.Tensor:
+        """The real feature of position context_length - 1."""
+        if req.request_id in self.features:
+            return self.features[req.request_id]
+        if req.num_cached_tokens:
+            return self.page_features[req.pages[req.num_cached_tokens // self.pool.page_size - 1]]
+        return self.no_feature
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)

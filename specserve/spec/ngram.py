@@ -54,6 +54,9 @@ class NgramProposer:
     def draft_slots(self, req: Request) -> int:
         return self.k
 
+    def context_length(self, req: Request) -> int:
+        return req.num_computed_tokens             # n-gram lookup keeps no draft state
+
     def propose(self, plan: StepPlan) -> Proposal:
         drafts = tuple(
             tuple(prompt_lookup(s.request.all_token_ids, self.ngram_min, self.ngram_max, min(self.k, s.max_drafts)))

@@ -74,6 +74,14 @@ def test_greedy_chat_equals_offline_generate(client, offline):
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_a_repeated_prompt_reports_cached_tokens(client):
+    prompt = "A shared system prompt that is longer than one KV page of sixteen tokens. " * 2
+    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
+    second = client.completions.create(model=MODEL, prompt=prompt + "And more.", temperature=0, max_tokens=4)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens <= first.usage.prompt_tokens
+
+
 def test_greedy_completion_and_logprobs_equal_offline_generate(client, offline):
     resp = client.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=20, logprobs=2,
                                      extra_body={"ignore_eos": True})

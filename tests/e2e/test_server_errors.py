@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from specserve.engine import Engine, engine_config
 from specserve.server.app import MAX_BODY_BYTES, create_app
 from tests.e2e import KV_BYTES, ServerProcess, save_tiny_model
+from tests.spec_harness import assert_pages_released
 
 KEY = "sk-test"
 CONTEXT = 2048
@@ -152,7 +153,7 @@ def test_engine_failure_fails_its_request_not_the_server(tiny_folder):
 
         assert client.get("/health").status_code == 200
         assert client.post("/v1/completions", json=COMPLETION).status_code == 200
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert_pages_released(engine)
 
 
 def test_sigterm_drains_and_exits_0(tiny_folder, tmp_path):
