@@ -54,6 +54,7 @@ class SpecConfig:
     dspark_confidence_threshold: float | None = None    # None: the budget planner sizes DSPARK windows
     dspark_cost_table_path: str | None = None           # None: measure a small cost table at startup
     token_map_path: str | None = None                   # draft vocabulary, overrides the checkpoint's
+    ngram_hybrid: bool = False                          # DSPARK also weighs an n-gram continuation per step
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from specserve.loader import LoadedCheckpoint
 from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
 from specserve.profile import STARTUP_ROWS
 from specserve.spec.budget import CostTable
+from specserve.spec.ngram import prompt_lookup
 from specserve.types import Request, SamplingParams
 from tests import spec_harness
 from tests.spec_harness import (Run, assert_pages_released, assert_stats_consistent, make_engine,
@@ -82,6 +83,9 @@ CASES = {
                                    "speculative_dspark_confidence_threshold": 0.5},
     "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
                                 "speculative_dspark_cost_table_path": d["cost.json"]},
+    "dspark-hybrid": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_ngram_hybrid": True},
 }
 
 
@@ -150,7 +154,7 @@ def spec_run(tiny_llama, drafters):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("gamma", GAMMAS)
-@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold"])
+@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold", "dspark-hybrid"])
 def test_greedy_block_drafting_is_lossless(plain, spec_run, case, gamma, batch):
     spec, *_ = spec_run(case, gamma, batch)
     assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))
@@ -309,3 +313,42 @@ def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, drafters, ops):
     engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4,
                          **CASES["dspark-threshold"](drafters))
     replay_traffic(engine, ops, poison=True)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_hybrid_leaks_no_page_or_state_under_random_traffic(tiny_llama, drafters, ops):
+    engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4, **CASES["dspark-hybrid"](drafters))
+    replay_traffic(engine, ops, poison=True)
+    assert not engine.proposer.hybrid.per_request and not engine.proposer.hybrid.pending
+
+
+def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
+    """Repetitive prompts give n-gram continuations the random drafter cannot match: the hybrid takes
+    them (deterministic drafts, learned row confidences) and still uses the block elsewhere; greedy
+    outputs equal plain decoding and a rerun samples the same tokens."""
+    prompts = make_prompts(8, seed=11)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_new_tokens=20, ignore_eos=True)
+              for i in range(8)]
+    kw = {"speculative_dspark_block_size": 4, **CASES["dspark-hybrid"](drafters)}
+    engine = make_engine(tiny_llama, **kw)
+    seen = record_proposals(engine)
+    spec = drive(engine, prompts, params)
+    plain_run = run(tiny_llama, prompts, params)
+    for i in range(1, 8, 2):
+        assert spec.outputs[i].token_ids == plain_run.outputs[i].token_ids
+    rerun = run(tiny_llama, prompts, params, **kw)
+    assert [o.token_ids for o in rerun.outputs] == [o.token_ids for o in spec.outputs]
+    ngram = block = 0
+    for plan, seqs, proposal in seen:
+        for s, tokens, drafts, q in zip(plan.scheduled, seqs, proposal.draft_tokens, proposal.draft_probs):
+            if drafts and q is None and list(drafts) == prompt_lookup(tokens, 1, 4, len(drafts)):
+                ngram += 1
+            elif drafts:
+                block += 1
+    assert ngram >= 3 and block > 5
+
+
+def test_hybrid_needs_dspark(tiny_llama, drafters):
+    with pytest.raises(ValueError, match="--speculative-ngram-hybrid needs DSPARK"):
+        make_engine(tiny_llama, **CASES["dflash"](drafters), speculative_ngram_hybrid=True)

@@ -75,6 +75,9 @@ def validate_spec(spec: SpecConfig) -> SpecConfig:
     if algorithm == "STANDALONE" and not spec.draft_model_path:
         raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path "
                          "(a small model with the target's tokenizer)")
+    if spec.ngram_hybrid and algorithm != "DSPARK":
+        raise ValueError(f"--speculative-ngram-hybrid needs DSPARK's confidences, not --speculative-algorithm "
+                         f"{algorithm}: use DSPARK, or NGRAM alone")
     if not 1 <= spec.ngram_min <= spec.ngram_max:
         raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {spec.ngram_min}..{spec.ngram_max}")
     return SpecConfig(**{**spec.__dict__, "algorithm": algorithm, "num_draft_tokens": k})

@@ -11,13 +11,15 @@ step after a prefill (or a recompute after preemption) therefore drafts nothing.
 Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify
 window of at most gamma + 1 rows. DFLASH verifies all of them; DSPARK applies its Markov head row by
 row with the drafted previous token and sizes each window from its confidences, with the budget
-planner (default) or a survival threshold (spec/budget.py)."""
+planner (default) or a survival threshold (spec/budget.py). With --speculative-ngram-hybrid, DSPARK
+also looks up an n-gram continuation per request and verifies it instead when its expected accepted
+length is larger (NgramHybrid); requests whose block may not run yet draft n-grams alone."""
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -27,7 +29,8 @@ from specserve.config import CacheConfig, SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, load_token_map
 from specserve.sampling import Purpose
-from specserve.spec.budget import CostTable, plan_budget, plan_threshold
+from specserve.spec.budget import CostTable, plan_budget, plan_threshold, survivals
+from specserve.spec.ngram import prompt_lookup
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
@@ -55,13 +58,70 @@ def startup_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
     return table
 
 
+class Candidate(NamedTuple):
+    """One request's proposal before its window is sized."""
+    drafts: list[int]
+    probs: list[torch.Tensor]            # q rows the drafts were sampled from; empty: deterministic
+    confidences: list[float] | None      # DSPARK's per-row confidences
+    from_ngram: bool = False
+
+
+class RowAcceptance:
+    """How often n-gram draft row k was accepted when it was reached (rows before it accepted)."""
+
+    def __init__(self, rows: int) -> None:
+        self.reached = [0] * rows
+        self.accepted = [0] * rows
+
+    def record(self, num_verified: int, num_accepted: int) -> None:
+        for k in range(min(num_accepted + 1, num_verified)):
+            self.reached[k] += 1
+            self.accepted[k] += k < num_accepted
+
+    def rates(self, prior: list[float], strength: float) -> list[float]:
+        """Per-row acceptance estimates, each pulled towards `prior` as if seen `strength` times."""
+        return [(a + strength * p) / (r + strength) for a, r, p in zip(self.accepted, self.reached, prior)]
+
+
+class NgramHybrid:
+    """DSPARK's n-gram option: per request and step, prompt lookup proposes a continuation too, and
+    whichever of the two has the larger expected accepted length (the sum of its survivals) is
+    verified. N-gram rows are as confident as the request's own n-gram rows have been (a running
+    per-row estimate from an even prior): kept per request, so a seeded request samples the same
+    tokens whatever runs beside it."""
+    PRIOR, PRIOR_WEIGHT = 0.5, 2.0
+
+    def __init__(self, rows: int, ngram_min: int, ngram_max: int) -> None:
+        self.rows = rows
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.per_request: dict[str, RowAcceptance] = {}
+        self.pending: dict[str, int] = {}     # request id → n-gram drafts verified in this step
+
+    def lookup(self, req: Request, n: int) -> tuple[list[int], list[float]]:
+        drafts = prompt_lookup(req.all_token_ids, self.ngram_min, self.ngram_max, n)
+        seen = self.per_request.get(req.request_id) or RowAcceptance(self.rows)
+        return drafts, seen.rates([self.PRIOR] * self.rows, self.PRIOR_WEIGHT)[:len(drafts)]
+
+    def record(self, plan: StepPlan, result: VerifyResult) -> None:
+        for s, res in zip(plan.scheduled, result.per_request):
+            rid = s.request.request_id
+            verified = self.pending.pop(rid, 0)
+            if verified and res is not None and not s.request.finished:
+                self.per_request.setdefault(rid, RowAcceptance(self.rows)).record(verified, res.num_accepted)
+
+    def release(self, req: Request) -> None:
+        self.per_request.pop(req.request_id, None)
+        self.pending.pop(req.request_id, None)
+
+
 class BlockDrafterProposer:
     def __init__(self, drafter: BlockDrafter, gamma: int, cost: CostTable | None = None,
-                 threshold: float | None = None) -> None:
+                 threshold: float | None = None, hybrid: NgramHybrid | None = None) -> None:
         self.drafter = drafter
         self.gamma = gamma
         self.cost = cost                      # DSPARK's budget planner
         self.threshold = threshold            # DSPARK's survival threshold, used instead of the planner
+        self.hybrid = hybrid                  # DSPARK's n-gram option
         self.aux_layer_ids = drafter.config.target_layer_ids
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
@@ -87,11 +147,12 @@ class BlockDrafterProposer:
         threshold = spec.dspark_confidence_threshold
         if spec.algorithm == "DFLASH":
             return cls(drafter, gamma)
+        hybrid = NgramHybrid(gamma, spec.ngram_min, spec.ngram_max) if spec.ngram_hybrid else None
         if threshold is not None:
             if not 0.0 <= threshold <= 1.0:
                 raise ValueError(f"--speculative-dspark-confidence-threshold must be in [0, 1], got {threshold}")
-            return cls(drafter, gamma, threshold=threshold)
-        return cls(drafter, gamma, cost=startup_cost_table(spec, target))
+            return cls(drafter, gamma, threshold=threshold, hybrid=hybrid)
+        return cls(drafter, gamma, cost=startup_cost_table(spec, target), hybrid=hybrid)
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
@@ -104,43 +165,65 @@ class BlockDrafterProposer:
         return self.num_valid.get(req.request_id, req.num_cached_tokens)
 
     def draft_slots(self, req: Request) -> int:
-        return self.gamma if self.ready(req) else 0
+        # With the n-gram option a request drafts even before its block may run.
+        return self.gamma if self.hybrid is not None or self.ready(req) else 0
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> Proposal:
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
         jobs = [(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
-        if not jobs:
+        candidates: dict[int, Candidate] = {}     # by plan index
+        if jobs:
+            tokens, positions, spans = [], [], []
+            for _, req, n in jobs:
+                anchor = req.num_tokens - 1
+                tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (n - 1)
+                positions += range(anchor, anchor + n)
+                spans.append(SeqSpan(req.pages, anchor, n, causal=False))
+            meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+            hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
+            offsets = list(itertools.accumulate((n for *_, n in jobs), initial=0))
+            drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
+            confidences: list[list[float] | None] = [None] * len(jobs)
+            if self.drafter.markov:
+                prev = [t for (_, req, _), d in zip(jobs, drafts) for t in [req.all_token_ids[-1]] + d[:-1]]
+                rows = [k for *_, n in jobs for k in range(n)]
+                c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
+                confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
+            candidates = {i: Candidate(d, q, c) for (i, _, _), d, q, c in zip(jobs, drafts, probs, confidences)}
+        if self.hybrid is not None:
+            self._weigh_ngrams(plan, candidates)
+        if not candidates:
             return Proposal.none(len(plan.scheduled))
-        tokens, positions, spans = [], [], []
-        for _, req, n in jobs:
-            anchor = req.num_tokens - 1
-            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (n - 1)
-            positions += range(anchor, anchor + n)
-            spans.append(SeqSpan(req.pages, anchor, n, causal=False))
-        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
-        hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
-        offsets = list(itertools.accumulate((n for *_, n in jobs), initial=0))
-        drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
 
-        windows = [n for *_, n in jobs]
-        confidences: list[list[float]] = [[] for _ in jobs]
+        drafting = sorted(candidates)
+        windows = [len(candidates[i].drafts) for i in drafting]
         if self.drafter.markov:
-            prev = [t for (_, req, _), d in zip(jobs, drafts) for t in [req.all_token_ids[-1]] + d[:-1]]
-            rows = [k for *_, n in jobs for k in range(n)]
-            c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
-            confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
-            windows = self._windows(plan, [i for i, *_ in jobs], confidences)
-
+            windows = self._windows(plan, drafting, [candidates[i].confidences for i in drafting])
         draft_tokens: list[tuple[int, ...]] = [()] * len(plan.scheduled)
         draft_probs: list[torch.Tensor | None] = [None] * len(plan.scheduled)
         draft_conf: list[tuple[float, ...] | None] = [None] * len(plan.scheduled)
-        for (i, _, _), d, q, c, m in zip(jobs, drafts, probs, confidences, windows):
+        for i, m in zip(drafting, windows):
+            d, q, c, from_ngram = candidates[i]
             draft_tokens[i] = tuple(d[:m])
             draft_probs[i] = torch.stack(q[:m]) if q and m else None
-            draft_conf[i] = tuple(c[:m]) if self.drafter.markov else None
+            draft_conf[i] = tuple(c[:m]) if c is not None else None
+            if from_ngram and m:
+                self.hybrid.pending[plan.scheduled[i].request.request_id] = m
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
+
+    def _weigh_ngrams(self, plan: StepPlan, candidates: dict[int, Candidate]) -> None:
+        """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
+        for i, s in enumerate(plan.scheduled):
+            if not s.samples or s.max_drafts <= 0:
+                continue
+            drafts, rates = self.hybrid.lookup(s.request, min(self.gamma, s.max_drafts))
+            if not drafts:
+                continue
+            block = candidates.get(i)
+            if block is None or sum(survivals(rates)) > sum(survivals(block.confidences)):
+                candidates[i] = Candidate(drafts, [], rates, from_ngram=True)
 
     def _draft(self, jobs: list[tuple[int, Request, int]], logits: torch.Tensor,   # [rows, V_d]
                offsets: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
@@ -196,6 +279,8 @@ class BlockDrafterProposer:
 
     @torch.inference_mode()
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
+        if self.hybrid is not None:
+            self.hybrid.record(plan, result)
         rows, positions, slots = [], [], []
         for s, offset in zip(plan.scheduled, out.token_offsets):
             req = s.request
@@ -214,3 +299,5 @@ class BlockDrafterProposer:
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
+        if self.hybrid is not None:
+            self.hybrid.release(req)
