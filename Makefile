@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 MODEL_STAMP := $(VENV)/.model
 
-.PHONY: demo test install install-test model clean
+.PHONY: demo test install install-test model peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ demo: $(STAMP) $(MODEL_STAMP)
 
 test: $(TEST_STAMP) $(MODEL_STAMP)
 	$(PY) -m pytest tests
+
+# Only the peers benchmark needs llama.cpp: built from source (minutes), never part of `make test`.
+peers: $(STAMP) $(MODEL_STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q llama-cpp-python==0.3.16
+	$(PY) benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV)

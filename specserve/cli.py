@@ -84,10 +84,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_shipped_drafter(kwargs: dict) -> dict:
+    """`serve` defaults to the embedded pair: on the embedded target, no --speculative-algorithm means
+    DSPARK with the shipped drafter (n-gram hybrid on), and DSPARK without a drafter path means that
+    drafter. Any other target runs what its flags say (plain decoding by default)."""
+    from specserve.drafters import embedded_pair
+
+    algorithm = kwargs["speculative_algorithm"]
+    pair = embedded_pair() if kwargs["model_path"] is None else {}
+    if algorithm is None:
+        return {**kwargs, **pair} if pair else {**kwargs, "speculative_algorithm": "NONE"}
+    if algorithm.upper() == "DSPARK" and not kwargs["speculative_draft_model_path"] and pair:
+        return {**kwargs, "speculative_draft_model_path": pair["speculative_draft_model_path"]}
+    return kwargs
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.app import serve
 
-    return serve(engine_kwargs(args), host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+    return serve(with_shipped_drafter(engine_kwargs(args)), host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
                  api_key=args.api_key, served_model_name=args.served_model_name,
                  shutdown_timeout=args.shutdown_timeout)
 
@@ -125,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded DSPARK pair)")
     add_engine_args(srv)
+    srv.set_defaults(speculative_algorithm=None)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
     srv.add_argument("--max-queued-requests", type=int, default=256,

@@ -1,31 +1,49 @@
-"""`make demo`: load the embedded SmolLM2-135M-Instruct and answer a chat prompt, printing the text and speed."""
+"""`make demo`: the embedded SmolLM2-135M-Instruct answers a chat prompt with its shipped DSPARK drafter
+and with plain decoding, printing the text, tokens/s and acceptance length of each."""
 from __future__ import annotations
 
 import logging
 import sys
 import time
 
+from specserve.drafters import embedded_pair
 from specserve.engine import LLM
-from specserve.types import SamplingParams
+from specserve.types import RequestOutput, SamplingParams
 
 PROMPT = "Explain in a few sentences why the sky is blue."
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=256)
+
+
+def timed_answer(llm: LLM) -> tuple[RequestOutput, float]:
+    llm.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)   # warm-up
+    start = time.perf_counter()
+    out = llm.generate(PROMPT, PARAMS, chat=True)[0]
+    return out, time.perf_counter() - start
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     start = time.perf_counter()
-    llm = LLM()
+    plain = LLM(disable_radix_cache=True)
     load_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_new_tokens=128)
-    llm.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=4), chat=True)   # warm-up
-    start = time.perf_counter()
-    out = llm.generate(PROMPT, params, chat=True)[0]
-    elapsed = time.perf_counter() - start
-    print(f"model: {llm.engine.model_config.name} (loaded in {load_s:.1f} s)")
+    plain_out, plain_s = timed_answer(plain)
+    print(f"model: {plain.engine.model_config.name} (loaded in {load_s:.1f} s)")
     print(f"prompt: {PROMPT}\n")
+    pair = embedded_pair()
+    if not pair:
+        print(plain_out.text.strip() + "\n")
+        print(f"plain decoding: {len(plain_out.token_ids)} tokens in {plain_s:.2f} s = "
+              f"{len(plain_out.token_ids) / plain_s:.1f} tokens/s (no drafter shipped)")
+        return 0
+    del plain
+    spec = LLM(disable_radix_cache=True, **pair)   # the cache would serve the prompt from the warm-up
+    out, spec_s = timed_answer(spec)
     print(out.text.strip() + "\n")
-    print(f"plain decoding: {len(out.token_ids)} tokens in {elapsed:.2f} s = {len(out.token_ids) / elapsed:.1f} tokens/s "
-          f"(finish: {out.finish_reason})")
+    for name, o, seconds in (("DSPARK", out, spec_s), ("plain ", plain_out, plain_s)):
+        print(f"{name}: {len(o.token_ids)} tokens in {seconds:.2f} s = {len(o.token_ids) / seconds:6.1f} tokens/s, "
+              f"acceptance length {o.spec['accept_length']:.2f}")
+    print(f"speedup: {plain_s / spec_s * len(out.token_ids) / len(plain_out.token_ids):.2f}x; "
+          f"same text as plain decoding: {out.token_ids == plain_out.token_ids}")
     return 0
 
 

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from specserve.cli import main
+from specserve import drafters
+from specserve.cli import build_parser, engine_kwargs, main, with_shipped_drafter
 from tests.conftest import save_hf_folder, tiny_checkpoint
 
 
@@ -50,3 +51,25 @@ def test_corrupt_model_file_is_a_clear_error(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "corrupt or truncated" in proc.stderr
+
+
+def serve_kwargs(*argv: str) -> dict:
+    args = build_parser().parse_args(["serve", *argv])
+    return with_shipped_drafter(engine_kwargs(args))
+
+
+def test_serve_defaults_to_the_embedded_dspark_pair(monkeypatch, tmp_path):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    monkeypatch.setattr(drafters, "EMBEDDED_DSPARK", drafter)
+    kw = serve_kwargs()
+    assert kw["speculative_algorithm"] == "DSPARK" and kw["speculative_draft_model_path"] == str(drafter)
+    assert kw["speculative_ngram_hybrid"]
+    assert serve_kwargs("--speculative-algorithm", "DSPARK")["speculative_draft_model_path"] == str(drafter)
+    assert serve_kwargs("--speculative-algorithm", "NONE")["speculative_algorithm"] == "NONE"
+    other = serve_kwargs("--model-path", "other.gguf")
+    assert other["speculative_algorithm"] == "NONE" and other["speculative_draft_model_path"] is None
+    assert build_parser().parse_args(["serve", "--disable-radix-cache"]).disable_radix_cache
+    monkeypatch.setattr(drafters, "EMBEDDED_DSPARK", tmp_path / "absent")
+    assert serve_kwargs()["speculative_algorithm"] == "NONE"

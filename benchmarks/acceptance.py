@@ -1,0 +1,91 @@
+"""Acceptance length (emitted tokens / verify steps, greedy) per workload of every drafter for the embedded
+SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and DFLASH / EAGLE
+drafters when given. Block windows are verified in full (confidence threshold 0), so the numbers say how
+far each drafter's guesses hold, not how the budget planner trades them against batch cost
+(benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
+
+    python benchmarks/acceptance.py                      # 30 prompts per workload, 256 new tokens
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS, write_result  # noqa: E402
+
+from specserve.bench.data import WORKLOADS, load_workload  # noqa: E402
+from specserve.bench.run import (build_record, chat_ids, format_table, messages, plot,  # noqa: E402
+                                 run_algorithm, select_prompts)
+from specserve.drafters import EMBEDDED_DSPARK  # noqa: E402
+from specserve.engine import LLM  # noqa: E402
+from specserve.types import SamplingParams  # noqa: E402
+
+BLOCK = 8
+
+
+def configurations(args: argparse.Namespace) -> dict[str, dict]:
+    """Label → engine arguments."""
+    dspark = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": args.dspark,
+              "speculative_dspark_block_size": BLOCK, "speculative_dspark_confidence_threshold": 0.0}
+    configs = {"none": {}, "dspark": {**dspark, "speculative_ngram_hybrid": True}, "dspark_pure": dspark,
+               "ngram": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": BLOCK}}
+    if args.dflash:
+        configs["dflash"] = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": args.dflash,
+                             "speculative_dspark_block_size": BLOCK}
+    if args.eagle:
+        configs["eagle"] = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": args.eagle,
+                            "speculative_num_draft_tokens": BLOCK}
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dspark", default=str(EMBEDDED_DSPARK), help="DSPARK drafter folder")
+    parser.add_argument("--dflash", default=None, help="DFLASH drafter folder (skipped if not given)")
+    parser.add_argument("--eagle", default=None, help="EAGLE drafter folder (skipped if not given)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--num-prompts", type=int, default=30)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=768)
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (speed only)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    loaded = {name: load_workload(name) for name in args.workloads.split(",")}
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    workloads, cells = None, {}
+    for label, engine_args in configurations(args).items():
+        llm = LLM(num_threads=args.threads, max_running_requests=args.batch_size, **engine_args)
+        workloads = workloads or select_prompts(llm.tokenizer, loaded, args.num_prompts, args.max_prompt_tokens)
+        llm.generate([chat_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))],
+                     SamplingParams(max_new_tokens=4, temperature=0.0))
+        cells[label] = run_algorithm(llm, label, workloads, params, args.batch_size)
+        del llm
+        gc.collect()
+
+    record = build_record(cells, greedy=True, config=vars(args), skipped={})
+    print(format_table(record))
+    s = record["summary"]
+
+    def macro(label: str) -> float | None:
+        return s[label]["accept_length"] if label in s else None
+
+    summary = {f"{label}_macro_accept_length": macro(label) for label in ("dspark", "dspark_pure", "dflash", "eagle",
+                                                                         "ngram")}
+    summary["dspark_vs_ngram"] = round(macro("dspark") / macro("ngram"), 3)
+    if macro("dflash"):
+        summary["dspark_pure_vs_dflash"] = round(macro("dspark_pure") / macro("dflash"), 3)
+    summary["text_differs"] = sum(s[label].get("text_differs", 0) for label in s)
+    plot(record, RESULTS / "acceptance.png")
+    path = write_result("acceptance", summary, {"per_algorithm": s, "results": record["results"],
+                                                "config": record["config"]})
+    print(summary)
+    print(f"wrote {path} and {RESULTS / 'acceptance.png'}")
+
+
+if __name__ == "__main__":
+    main()
