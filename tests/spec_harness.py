@@ -79,6 +79,18 @@ def replay_traffic(engine: Engine, ops, poison: bool = False, max_drain_steps: i
     assert not getattr(engine.proposer, "num_valid", {})
 
 
+def assert_same_as_plain(spec: Run, plain: Run) -> None:
+    """Same tokens, logprobs and committed target K/V as plain decoding of the same prompts."""
+    for i, (got, want) in enumerate(zip(spec.outputs, plain.outputs, strict=True)):
+        assert got.token_ids == want.token_ids, f"request {i} differs from plain decoding"
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-9
+        for a, b in zip(got.top_logprobs, want.top_logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-9
+        for got_kv, want_kv in zip(spec.kv[got.request_id], plain.kv[want.request_id]):
+            # Exact up to float64 rounding: a verify window and a decode step multiply different shapes.
+            torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=1e-12)
+
+
 def poison_free_pages(engine: Engine) -> None:
     free = engine.allocator.free_page_ids()
     for pool in (engine.pool, engine.draft_pool):

@@ -22,7 +22,7 @@ from specserve.spec.budget import CostTable
 from specserve.spec.ngram import prompt_lookup
 from specserve.types import Request, SamplingParams
 from tests import spec_harness
-from tests.spec_harness import (Run, assert_pages_released, assert_stats_consistent, make_engine,
+from tests.spec_harness import (Run, assert_pages_released, assert_same_as_plain, assert_stats_consistent, make_engine,
                                 mean_accept_length, replay_traffic, run)
 from tests.test_block_drafter import record_proposals
 from tests.test_spec_lossless import BATCHES, GREEDY, MATRIX_ENGINE, PROMPTS, make_prompts
@@ -130,16 +130,6 @@ def assert_draft_context_exact(engine: Engine, captured) -> None:
         want_k, want_v = reference_context(engine, tokens)
         torch.testing.assert_close(k, want_k, rtol=0, atol=1e-9)
         torch.testing.assert_close(v, want_v, rtol=0, atol=1e-9)
-
-
-def assert_same_as_plain(spec: Run, plain: Run) -> None:
-    for i, (got, want) in enumerate(zip(spec.outputs, plain.outputs, strict=True)):
-        assert got.token_ids == want.token_ids, f"request {i} differs from plain decoding"
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-9
-        for a, b in zip(got.top_logprobs, want.top_logprobs):
-            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-9
-        for got_kv, want_kv in zip(spec.kv[got.request_id], plain.kv[want.request_id]):
-            torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,20 @@ class Proposer(Protocol):
     def release(self, req: Request) -> None: ...
 
 
+class CommittedContext:
+    """For drafters whose context is written at commit for committed tokens only (EAGLE, DFLASH, DSPARK):
+    `num_valid` counts each request's leading positions with written context; a request new to the
+    proposer starts after its cached prefix, whose context the prefix cache kept."""
+    num_valid: dict[str, int]
+
+    def context_length(self, req: Request) -> int:
+        return self.num_valid.get(req.request_id, req.num_cached_tokens)
+
+    def ready(self, req: Request) -> bool:
+        """Whether the context holds every position before the anchor (the last token, not yet fed)."""
+        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
+
+
 # algorithm → "module:Class"; each class has
 # `build(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> Proposer`
 # where `draft` is an already loaded draft model (tests, embedding); otherwise spec.draft_model_path is loaded.

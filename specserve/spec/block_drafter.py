@@ -33,6 +33,8 @@ from specserve.spec.budget import CostTable, plan_budget, plan_threshold, surviv
 from specserve.spec.ngram import prompt_lookup
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
+from specserve.spec import CommittedContext
+
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
     from specserve.runner import ForwardOutput
@@ -114,7 +116,7 @@ class NgramHybrid:
         self.pending.pop(req.request_id, None)
 
 
-class BlockDrafterProposer:
+class BlockDrafterProposer(CommittedContext):
     def __init__(self, drafter: BlockDrafter, gamma: int, cost: CostTable | None = None,
                  threshold: float | None = None, hybrid: NgramHybrid | None = None) -> None:
         self.drafter = drafter
@@ -156,13 +158,6 @@ class BlockDrafterProposer:
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
-
-    def ready(self, req: Request) -> bool:
-        """Whether the draft context holds every token before the anchor, so that a block may run."""
-        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
-
-    def context_length(self, req: Request) -> int:
-        return self.num_valid.get(req.request_id, req.num_cached_tokens)
 
     def draft_slots(self, req: Request) -> int:
         # With the n-gram option a request drafts even before its block may run.

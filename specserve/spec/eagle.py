@@ -26,13 +26,15 @@ from specserve.models.eagle import EagleCheckpoint, EagleDrafter
 from specserve.spec.draft_model import choose_drafts
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
+from specserve.spec import CommittedContext
+
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
     from specserve.runner import ForwardOutput
     from specserve.spec import TargetInfo
 
 
-class EagleProposer:
+class EagleProposer(CommittedContext):
     def __init__(self, drafter: EagleDrafter, num_draft_tokens: int) -> None:
         self.drafter = drafter
         self.k = num_draft_tokens
@@ -60,13 +62,6 @@ class EagleProposer:
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
-
-    def ready(self, req: Request) -> bool:
-        """Whether the draft context holds every position before the anchor."""
-        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
-
-    def context_length(self, req: Request) -> int:
-        return self.num_valid.get(req.request_id, req.num_cached_tokens)
 
     def draft_slots(self, req: Request) -> int:
         return self.k if self.ready(req) else 0
