@@ -9,13 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.kv_pages import PageAllocator
+from specserve.models.block_drafter import random_block_drafter
 from specserve.radix_cache import RadixCache
+from specserve.spec.budget import CostTable
 from specserve.types import SamplingParams
 from tests.spec_harness import assert_pages_released, drive, make_engine
 from tests.test_block_drafter import record_proposals
 from tests.test_spec_block_drafter import CASES as BLOCK_CASES
 from tests.test_spec_block_drafter import assert_draft_context_exact, capture_draft_context
-from tests.test_spec_block_drafter import drafters, plain  # noqa: F401  (fixtures)
 from tests.test_spec_lossless import CASES as LOSSLESS_CASES
 
 PAGE = 4
@@ -137,12 +138,21 @@ def conversations(engine, poison: bool = True):
     return first + second
 
 
+@pytest.fixture(scope="module")
+def drafters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("drafters")
+    random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, seed=1, dtype=torch.float64).save(root / "dflash")
+    random_block_drafter(tiny_llama.config, seed=2, dtype=torch.float64).save(root / "dspark")
+    CostTable((1, 64), (1.0, 7.3)).save(root / "cost.json")
+    return {name: str(root / name) for name in ("dflash", "dspark", "cost.json")}
+
+
 ALGORITHMS = {
     "none": lambda target, drafters: {},
     **{name: (lambda name: lambda target, drafters: LOSSLESS_CASES[name][0](target))(name)
        for name in ("ngram", "standalone-agree", "eagle")},
     **{name: (lambda name: lambda target, drafters: BLOCK_CASES[name](drafters))(name)
-       for name in ("dflash", "dspark-budget")},
+       for name in ("dflash", "dspark-hybrid")},
 }
 
 
@@ -182,7 +192,7 @@ def test_a_hit_gives_the_drafter_the_context_it_would_have_computed(tiny_llama, 
     assert all(on[key] == off[key] for key in common)
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dspark-budget"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dspark-hybrid"])
 def test_block_drafter_context_on_hits_equals_a_recomputation(tiny_llama, drafters, algorithm):
     engine = engine_for(tiny_llama, drafters, algorithm)
     context = capture_draft_context(engine)
@@ -191,7 +201,7 @@ def test_block_drafter_context_on_hits_equals_a_recomputation(tiny_llama, drafte
     assert_draft_context_exact(engine, context)
 
 
-@pytest.mark.parametrize("algorithm", ["none", "standalone-agree", "eagle", "dspark-budget"])
+@pytest.mark.parametrize("algorithm", ["none", "standalone-agree", "eagle", "dspark-hybrid"])
 def test_eviction_under_memory_pressure_stays_correct(tiny_llama, drafters, algorithm):
     prompts = [SYSTEM[:5 + i] + [i] * (3 + i % 4) for i in range(10)]
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
