@@ -16,10 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_result  # noqa: E402
-
 from specserve.bench.data import WORKLOADS, load_workload  # noqa: E402
-from specserve.bench.run import (build_record, chat_ids, format_table, messages, plot,  # noqa: E402
-                                 run_algorithm, select_prompts)
+from specserve.bench.run import build_record, chat_ids, format_table, messages, plot, run_algorithm, select_prompts  # noqa: E402
 from specserve.drafters import EMBEDDED_DSPARK  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402

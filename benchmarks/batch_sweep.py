@@ -18,7 +18,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_result  # noqa: E402
-
 from specserve.bench.data import load_workload  # noqa: E402
 from specserve.bench.run import chat_ids, messages  # noqa: E402
 from specserve.drafters import embedded_pair  # noqa: E402

@@ -11,8 +11,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.types import SamplingParams
-from tests.spec_harness import (Run, assert_pages_released, assert_same_as_plain, assert_stats_consistent, first_layers, make_engine,
-                                mean_accept_length, replay_traffic, run, shifted_head)
+from tests.spec_harness import (
+    Run,
+    assert_pages_released,
+    assert_same_as_plain,
+    assert_stats_consistent,
+    first_layers,
+    make_engine,
+    mean_accept_length,
+    replay_traffic,
+    run,
+    shifted_head,
+)
 from tests.test_eagle import eagle_kwargs, programmed_head
 
 # name → (engine kwargs for a target checkpoint, the mean accept length it must reach at K=8, batch 4)

@@ -29,11 +29,10 @@ from specserve.config import CacheConfig, SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, load_token_map
 from specserve.sampling import Purpose
+from specserve.spec import CommittedContext
 from specserve.spec.budget import CostTable, plan_budget, plan_threshold, survivals
 from specserve.spec.ngram import prompt_lookup
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
-
-from specserve.spec import CommittedContext
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint

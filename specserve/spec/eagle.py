@@ -23,10 +23,9 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.eagle import EagleCheckpoint, EagleDrafter
+from specserve.spec import CommittedContext
 from specserve.spec.draft_model import choose_drafts
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
-
-from specserve.spec import CommittedContext
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
