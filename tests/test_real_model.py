@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from specserve.drafters import embedded_pair
 from specserve.engine import LLM
 from specserve.loader import default_model_path
 from specserve.types import SamplingParams
@@ -42,3 +43,19 @@ def test_batched_equals_alone_on_real_model(llm):
     same = sum(b.token_ids == a.token_ids for b, a in zip(batched, alone))
     assert same >= 3, [(b.text, a.text) for b, a in zip(batched, alone)]
     assert_pages_released(llm.engine)
+
+
+def test_shipped_dspark_drafter_is_lossless_and_accepts(llm):
+    pair = embedded_pair()
+    assert pair, "the DSPARK drafter for the embedded target is missing from specserve/drafters"
+    spec = LLM(max_running_requests=8, **pair)
+    prompts = ["Name three colors.", PROMPT, "Write a Python function that reverses a list."]
+    params = SamplingParams(temperature=0.0, max_new_tokens=64)
+    got = spec.generate(prompts, params, chat=True)
+    want = llm.generate(prompts, params, chat=True)
+    # fp32 verify windows and single rows may round differently; near-ties are rare, report any
+    same = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
+    assert same >= 2, [(g.text, w.text) for g, w in zip(got, want)]
+    emitted = sum(len(g.token_ids) for g in got)
+    assert emitted / sum(g.spec["verify_ct"] for g in got) > 1.5
+    assert_pages_released(spec.engine)

@@ -2,6 +2,7 @@
 JSONL formats, regeneration through the engine (resumable after a cut-off line), and the token map."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -96,3 +97,13 @@ def test_token_map_holds_the_most_frequent_answer_tokens():
     assert build_token_map(examples, 6, 10).tolist() == [0, 1, 2, 3, 5, 7]
     assert build_token_map(examples, 10, 10) is None
     assert build_token_map(examples, 3, 10).dtype == torch.long
+
+
+def test_compressed_regenerated_data_loads_like_plain(tmp_path):
+    lines = [json.dumps({"id": f"c{i}", "prompt_ids": [1, 2, i], "output_ids": [i, 4, 5]}) for i in range(3)]
+    plain, packed = tmp_path / "data.jsonl", tmp_path / "data.jsonl.gz"
+    plain.write_text("\n".join(lines) + "\n")
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    assert is_regenerated(packed)
+    assert load_examples(packed) == load_examples(plain) and len(load_examples(packed)) == 3

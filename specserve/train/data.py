@@ -2,10 +2,12 @@
 engine into a resumable JSONL of token ids, and the draft vocabulary (token map) counted from them."""
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import zlib
 from collections.abc import Iterator
+from typing import TextIO
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,13 @@ class Example:
     id: str
     prompt_ids: list[int]
     output_ids: list[int]
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A UTF-8 text file, gzip-compressed if its name ends in .gz (committed training data is)."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def iter_json_array(path: str | Path) -> Iterator[dict]:
@@ -88,7 +97,7 @@ def sharegpt_path() -> Path:
 
 def jsonl_prompts(path: str | Path) -> list[Prompt]:
     prompts = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue
@@ -100,7 +109,7 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
 
 def is_regenerated(path: str | Path) -> bool:
     """Whether a JSONL already holds token ids (a regeneration output) rather than prompts."""
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         first = next((line for line in f if line.strip()), "{}")
     return "output_ids" in json.loads(first)
 
@@ -108,7 +117,7 @@ def is_regenerated(path: str | Path) -> bool:
 def load_examples(path: str | Path) -> list[Example]:
     """Regenerated examples; a last line cut off by an interrupted run is skipped."""
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for line in f:
             try:
                 r = json.loads(line)
