@@ -6,8 +6,8 @@ decoding vs speculative algorithms, at several concurrencies. Writes benchmarks/
 Each algorithm gets its own server process. Per algorithm and concurrency C: C clients each send
 --requests-per-client greedy streaming chat requests of --max-tokens tokens (EOS ignored, so every
 algorithm decodes the same amount); recorded are output-token throughput, TTFT and TPOT p50/p99 and the
-mean acceptance length (usage.spec). An algorithm whose server does not start (DSPARK until its drafter
-ships) is recorded as unavailable. Summary ratios are speedups over plain decoding (> 1: faster):
+mean acceptance length (usage.spec). `dspark` on the embedded target is the shipped pair (serve's default:
+the packaged drafter, n-gram hybrid on). An algorithm whose server does not start is recorded as unavailable. Summary ratios are speedups over plain decoding (> 1: faster):
 `<alg>_vs_plain_tpot_c1` = plain TPOT p50 / alg TPOT p50 at concurrency 1 and
 `<alg>_vs_plain_throughput_c16` = alg throughput / plain throughput at concurrency 16; null when missing.
 """
@@ -41,8 +41,9 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, algorithm: str, log) -> tuple[subprocess.Popen, str] | None:
     """A server for `algorithm`, once /health answers; None when it exits first (algorithm unavailable)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--threads", str(args.threads),
-           "--speculative-algorithm", algorithm.upper()]
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--threads", str(args.threads)]
+    if not (algorithm == "dspark" and not args.model_path and not args.draft_model_path):
+        cmd += ["--speculative-algorithm", algorithm.upper()]   # else serve's default: the shipped DSPARK pair
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     if args.draft_model_path and algorithm != "none":
