@@ -485,6 +485,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--max-len", type=int, default=d.max_len, help="tokens per training sequence")
     a("--holdout", type=int, default=d.holdout, help="examples kept for calibration (at most a tenth)")
     a("--lr", type=float, default=d.lr)
+    a("--loss-ce", type=float, default=d.loss.ce, help="weight of the cross-entropy to the target's token")
+    a("--loss-dist", type=float, default=d.loss.dist, help="weight of the L1 distance to the target's distribution")
+    a("--loss-decay", type=float, default=d.loss.decay, help="block row k weighs exp(-k / decay)")
     a("--warmup-ratio", type=float, default=d.warmup_ratio)
     a("--grad-clip", type=float, default=d.grad_clip)
     a("--dtype", choices=list(DTYPES), default=d.dtype, help="bfloat16 is slow on CPUs without bf16 units")
@@ -522,7 +525,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       max_steps=args.max_steps, time_budget=args.time_budget, batch_size=args.batch_size,
                       anchors=args.anchors, max_len=args.max_len, holdout=args.holdout, lr=args.lr,
                       warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=args.dtype,
-                      save_every=args.save_every, seed=args.seed)
+                      save_every=args.save_every, seed=args.seed,
+                      loss=LossWeights(ce=args.loss_ce, dist=args.loss_dist, decay=args.loss_decay))
     out = Path(args.out)
     work_dir = Path(args.work_dir or f"{out}.work")
     work_dir.mkdir(parents=True, exist_ok=True)
