@@ -15,6 +15,7 @@ from specserve.engine import LLM
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.block_drafter import (BlockDrafter, BlockDrafterCheckpoint, dense_block_forward,
                                             random_block_drafter)
+from specserve.models.eagle import EagleCheckpoint
 from specserve.models.layers import Rope
 from specserve.models.llama import LlamaModel
 from specserve.train.data import Example, build_token_map
@@ -93,6 +94,40 @@ def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path)
     assert checked >= 10
 
 
+def test_dense_chain_forward_equals_the_engine_eagle_proposer(tiny_llama, tmp_path):
+    """EAGLE's training chain (each row fed the previous row's output feature, attending to the real
+    context and its own chain) gives the logits the engine drafts from, row by row."""
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "block_size": 5}, algorithm="EAGLE",
+                                                     target_layer_ids=(0, 1)), None)
+    randomise_norms(trainer)
+    trainer.checkpoint().save(tmp_path)
+    spec = engine(tiny_llama, speculative_algorithm="EAGLE", speculative_draft_model_path=str(tmp_path),
+                  speculative_num_draft_tokens=5).engine
+    drafter = spec.proposer.drafter
+    row_logits = []
+    base_forward = drafter.forward
+    drafter.forward = lambda *args: (out := base_forward(*args)) and row_logits.append(out[1]) or out
+    seen = record_proposals(spec)
+    for prompt in ([3, 4, 5, 6, 7, 8, 9], [250, 12], [100, 101, 7, 7]):
+        spec.add_request(prompt, GREEDY)
+        while spec.has_unfinished:
+            spec.step()
+    drafting = [(tokens[0], proposal.draft_tokens[0]) for _, tokens, proposal in seen if proposal.draft_tokens[0]]
+    assert len(row_logits) == sum(len(drafts) for _, drafts in drafting) and len(drafting) >= 10
+    checked, first_row = 0, 0
+    for tokens, drafts in drafting:
+        want = torch.cat(row_logits[first_row:first_row + len(drafts)])    # [drafts, vocab]
+        first_row += len(drafts)
+        if len(drafts) < 5:
+            continue
+        out = trainer.forward(make_batch([Example("x", tokens, list(drafts))]), torch.tensor([[len(tokens) - 1]]),
+                              torch.tensor([[True]]))
+        torch.testing.assert_close(out.draft_logits[0], want, rtol=0, atol=1e-9)
+        assert out.draft_logits[0].argmax(-1).tolist() == list(drafts) and out.confidence_logits is None
+        checked += 1
+    assert checked >= 10
+
+
 def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
     """The qk-norm path (Qwen3-style drafters), which TrainConfig does not build, against BlockDrafter."""
     target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float64)
@@ -137,8 +172,9 @@ def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, examples):
     assert (out.target_probs.argmax(-1)[rows] == out.target_ids[rows]).all()
 
 
-def test_a_few_steps_reduce_the_loss(tiny_llama, examples, tmp_path):
-    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, max_steps=40, save_every=100), None)
+@pytest.mark.parametrize("algorithm", ["DSPARK", "EAGLE"])
+def test_a_few_steps_reduce_the_loss(tiny_llama, examples, tmp_path, algorithm):
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, algorithm=algorithm, max_steps=40, save_every=100), None)
     batch = make_batch(usable_examples(examples, 128)[:8])
 
     def held_loss():
@@ -201,6 +237,25 @@ def test_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples,
     assert spec.engine.stats.num_accepted_drafts > 0
 
 
+def test_eagle_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples, tmp_path):
+    cfg = TrainConfig(**SMALL, algorithm="EAGLE", max_steps=30, save_every=100)
+    ckpt = train_drafter(tiny_llama, examples, cfg, tmp_path / "out", tmp_path / "work", eval_prompts=3,
+                         eval_max_new_tokens=16, source="tiny test answers")
+    loaded = EagleCheckpoint.load(tmp_path / "out")
+    assert loaded.config == ckpt.config and "token_map" not in loaded.weights
+    card = (tmp_path / "out" / "README.md").read_text()
+    for row in ("| algorithm | EAGLE |", "| drafts per step (trained chain) | 4 |", "| draft vocabulary | the target's 257 |",
+                "| target layer ids | [0, 1] |", "| held-out | 3 |", "--speculative-num-draft-tokens 4"):
+        assert row in card
+    prompts = [e.prompt_ids for e in examples[:6]]
+    plain = engine(tiny_llama).generate(prompts, GREEDY)
+    spec = engine(tiny_llama, speculative_algorithm="EAGLE", speculative_draft_model_path=str(tmp_path / "out"),
+                  speculative_num_draft_tokens=4)
+    outs = spec.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert spec.engine.stats.num_accepted_drafts > 0
+
+
 def test_model_card_workloads_are_the_bench_prompts_first_turns(tiny_llama, monkeypatch):
     monkeypatch.setitem(WORKLOADS, "mtbench", lambda: [("x" * 500, "never asked"), ("Hi", "More?"), ("Yo",)])
     chat = engine(tiny_llama).engine.encode
@@ -225,7 +280,9 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     steps = [json.loads(line)["step"] for line in (work / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     assert BlockDrafterCheckpoint.load(tmp_path / "out").config.algorithm == "DFLASH"
-    with pytest.raises(ValueError, match="EAGLE"):
-        cmd_train_drafter(parser.parse_args([*argv, "--algorithm", "eagle"]))
+    eagle = [*argv[:argv.index("--out") + 1], str(tmp_path / "eagle"), *argv[argv.index("--out") + 2:]]
+    eagle[eagle.index("DFLASH")] = "eagle"
+    assert cmd_train_drafter(parser.parse_args([*eagle, "--max-steps", "2", "--work-dir", str(work)])) == 0
+    assert EagleCheckpoint.load(tmp_path / "eagle").config.target_layer_ids == (0, 1)
     assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
     assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90

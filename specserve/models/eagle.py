@@ -17,15 +17,17 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import ModelLoadError
 from specserve.models.block_drafter import default_layer_ids, read_drafter_folder, save_drafter_folder
-from specserve.models.layers import Linear, apply_rope, rms_norm
+from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class EagleConfig:
     target_vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    algorithm: ClassVar[str] = ALGORITHM
 
     def to_json(self) -> dict:
         return {"algorithm": ALGORITHM, **dataclasses.asdict(self)}
@@ -174,3 +177,55 @@ class EagleDrafter:
         v = kv[:, kv_size:].view(-1, c.num_key_value_heads, c.head_dim)
         cos, sin = self.model.rope.tables(positions)
         pool.write(0, slots, apply_rope(k, cos, sin), v)
+
+
+def dense_chain_forward(c: EagleConfig, w: dict[str, torch.Tensor], embed: torch.Tensor, rope: Rope,
+                        aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                        num_rows: int) -> torch.Tensor:
+    """The drafting chain of EagleProposer, dense and differentiable in the checkpoint's tensors `w`
+    (training, EAGLE-3's training-time test). aux: [B, L, len(target_layer_ids) * hidden] of each
+    sequence's tokens; tokens: [B, L]; anchors: [B, A] positions (>= 1). Row k of an anchor a sits at
+    a + k and takes token a + k (the true one: only an accepted prefix of drafts matters) with the real
+    feature of a - 1 (row 0) or row k - 1's output; it attends to the context K/V of positions <= a,
+    written from real features, and rows 1..k of its own chain → final-normed hidden [B, A, num_rows, hidden]."""
+    B, L, _ = aux.shape
+    A = anchors.shape[1]
+    eps, d, heads, kv_heads = c.rms_norm_eps, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    p = "model.layers.0."
+    fused = aux @ w["fc.weight"].T                                                        # [B, L, hidden]
+
+    def layer_input(token_ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([embed[token_ids], features], dim=-1) @ w["input_proj.weight"].T
+        return x, rms_norm(x, w[p + "input_layernorm.weight"], eps)
+
+    def proj(h: torch.Tensor, name: str, n: int) -> torch.Tensor:   # [B, T, hidden] → [B, T, n, d]
+        return (h @ w[p + f"self_attn.{name}_proj.weight"].T).unflatten(-1, (n, d))
+
+    previous = torch.cat([fused.new_zeros(B, 1, fused.shape[-1]), fused[:, :-1]], dim=1)   # feature of p - 1
+    _, h = layer_input(tokens, previous)
+    keys = [apply_rope(proj(h, "k", kv_heads), *rope.tables(torch.arange(L)))]
+    values = [proj(h, "v", kv_heads)]
+    masks = [(torch.arange(L) <= anchors[..., None])]                                    # [B, A, L]
+    batch = torch.arange(B)[:, None]
+    features = fused[batch, anchors - 1]                                                  # [B, A, hidden]
+    rows = []
+    for k in range(num_rows):
+        positions = (anchors + k).clamp(max=L - 1)
+        x, h = layer_input(tokens[batch, positions], features)
+        cos, sin = (t.view(B, A, 1, d) for t in rope.tables((anchors + k).flatten()))
+        q = apply_rope(proj(h, "q", heads), cos, sin)
+        if k:      # row 0's K/V is the context's at its anchor, already there
+            keys.append(apply_rope(proj(h, "k", kv_heads), cos, sin))
+            values.append(proj(h, "v", kv_heads))
+            masks.append(torch.eye(A, dtype=torch.bool).expand(B, A, A))
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+                                             torch.cat(values, 1).transpose(1, 2),
+                                             attn_mask=torch.cat(masks, -1)[:, None], scale=d ** -0.5,
+                                             enable_gqa=True)                              # [B, heads, A, d]
+        x = x + att.transpose(1, 2).flatten(2) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
+            @ w[p + "mlp.down_proj.weight"].T
+        features = x
+        rows.append(rms_norm(x, w["model.norm.weight"], eps))
+    return torch.stack(rows, dim=2)
