@@ -18,6 +18,7 @@ from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.loader import LoadedCheckpoint
 from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
 from specserve.profile import STARTUP_ROWS
+from specserve.spec.block_drafter import BlockDrafterProposer
 from specserve.spec.budget import CostTable
 from specserve.spec.ngram import prompt_lookup
 from specserve.types import Request, SamplingParams
@@ -180,6 +181,43 @@ def test_windows_differ_per_request_and_follow_confidence(spec_run, case):
             full += len(drafts) == min(8, s.max_drafts)
             cut += len(drafts) < min(8, s.max_drafts)
     assert full > 10 and cut > 10
+
+
+def count_blocks(engine: Engine) -> list[int]:
+    """How many requests each block forward of `engine` drafted for."""
+    calls = []
+    block_hidden = engine.proposer.drafter.block_hidden
+
+    def counting(input_ids, positions, meta, pool):
+        calls.append(meta.batch)
+        return block_hidden(input_ids, positions, meta, pool)
+
+    engine.proposer.drafter.block_hidden = counting
+    return calls
+
+
+def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path):
+    """When an extra verify row costs a whole forward no window pays off (bar steps that also run a
+    prefill chunk, whose rows make one more row relatively cheap): after each request's first
+    block the planner skips the block, drafting again only to re-measure every PROBE_EVERY steps.
+    Outputs stay plain decoding's."""
+    CostTable((1, 64), (1.0, 64.0)).save(tmp_path / "dear.json")
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True,
+                                                   top_logprobs=2)
+    want = run(tiny_llama, prompts, params, **MATRIX_ENGINE)
+    engine = make_engine(tiny_llama, **MATRIX_ENGINE, speculative_algorithm="DSPARK",
+                         speculative_draft_model_path=drafters["agree"],
+                         speculative_dspark_cost_table_path=str(tmp_path / "dear.json"))
+    blocks, seen = count_blocks(engine), record_proposals(engine)
+    spec = drive(engine, prompts, params)
+    assert_same_as_plain(spec, want)
+    assert_pages_released(engine)
+    assert not engine.proposer.forecast and not engine.proposer.skipped
+    # only a prefill chunk in the same forward makes a row cheap enough relative to the step
+    assert all(max(s.num_feed for s in plan.scheduled) > 1 for plan, _, proposal in seen if any(proposal.draft_tokens))
+    ready_steps = sum(len(o.token_ids) - 2 for o in spec.outputs)     # the step after prefill cannot draft
+    every = BlockDrafterProposer.PROBE_EVERY
+    assert 4 + ready_steps // (every + 1) - 4 <= sum(blocks) <= 4 + ready_steps // (every + 1) + 4
 
 
 def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):

@@ -11,7 +11,10 @@ step after a prefill (or a recompute after preemption) therefore drafts nothing.
 Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify
 window of at most gamma + 1 rows. DFLASH verifies all of them; DSPARK applies its Markov head row by
 row with the drafted previous token and sizes each window from its confidences, with the budget
-planner (default) or a survival threshold (spec/budget.py). With --speculative-ngram-hybrid, DSPARK
+planner (default) or a survival threshold (spec/budget.py). The planner also decides who drafts at all:
+a request whose mean confidences so far would buy no verify row at this step's cost skips the block
+(at large batch, where extra rows cost as much as they win, the block would only be overhead), and
+drafts again to re-measure after PROBE_EVERY skipped steps. With --speculative-ngram-hybrid, DSPARK
 also looks up an n-gram continuation per request and verifies it instead when its expected accepted
 length is larger (NgramHybrid); requests whose block may not run yet draft n-grams alone."""
 from __future__ import annotations
@@ -116,6 +119,8 @@ class NgramHybrid:
 
 
 class BlockDrafterProposer(CommittedContext):
+    PROBE_EVERY = 8
+
     def __init__(self, drafter: BlockDrafter, gamma: int, cost: CostTable | None = None,
                  threshold: float | None = None, hybrid: NgramHybrid | None = None) -> None:
         self.drafter = drafter
@@ -127,6 +132,9 @@ class BlockDrafterProposer(CommittedContext):
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
+        # request id → (sum, count) of the confidences of its blocks so far, per block row
+        self.forecast: dict[str, tuple[list[float], list[int]]] = {}
+        self.skipped: dict[str, int] = {}     # request id → blocks skipped in a row on that forecast
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
     @classmethod
@@ -167,6 +175,8 @@ class BlockDrafterProposer(CommittedContext):
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
         jobs = [(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
+        if self.cost is not None:
+            jobs = self._worth_drafting(plan, jobs)
         candidates: dict[int, Candidate] = {}     # by plan index
         if jobs:
             tokens, positions, spans = [], [], []
@@ -185,6 +195,8 @@ class BlockDrafterProposer(CommittedContext):
                 rows = [k for *_, n in jobs for k in range(n)]
                 c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
                 confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
+                for (_, req, _), conf in zip(jobs, confidences):
+                    self._update_forecast(req.request_id, conf)
             candidates = {i: Candidate(d, q, c) for (i, _, _), d, q, c in zip(jobs, drafts, probs, confidences)}
         if self.hybrid is not None:
             self._weigh_ngrams(plan, candidates)
@@ -206,6 +218,38 @@ class BlockDrafterProposer(CommittedContext):
             if from_ngram and m:
                 self.hybrid.pending[plan.scheduled[i].request.request_id] = m
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
+
+    def _update_forecast(self, request_id: str, confidences: list[float]) -> None:
+        """Confidence per block row summed over the request's blocks so far: the forecast is their mean,
+        pulled towards an even prior like the n-gram rows' estimates, so it tells how good the drafter is
+        on this request, not on its last token (one unsure block must not stop the next)."""
+        sums, counts = self.forecast.setdefault(request_id, ([], []))
+        for k, c in enumerate(confidences):
+            if k == len(sums):
+                sums.append(0.0)
+                counts.append(0)
+            sums[k] += c
+            counts[k] += 1
+
+    def _worth_drafting(self, plan: StepPlan, jobs: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
+        """The jobs whose block may pay off: those the planner gives a verify row on their forecast
+        confidences, those without a forecast yet, and those due to re-measure."""
+        prior, weight = NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT
+        forecast = {i: [(total + weight * prior) / (count + weight)
+                        for total, count in zip(*self.forecast[req.request_id])][:n]
+                    for i, req, n in jobs if req.request_id in self.forecast}
+        if not forecast:
+            return jobs
+        window_of = self._budget(plan, forecast)
+        kept = []
+        for job in jobs:
+            i, rid = job[0], job[1].request_id
+            if i not in forecast or window_of[i] > 0 or self.skipped.get(rid, 0) >= self.PROBE_EVERY:
+                kept.append(job)
+                self.skipped[rid] = 0
+            else:
+                self.skipped[rid] = self.skipped.get(rid, 0) + 1
+        return kept
 
     def _weigh_ngrams(self, plan: StepPlan, candidates: dict[int, Candidate]) -> None:
         """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
@@ -261,15 +305,18 @@ class BlockDrafterProposer(CommittedContext):
         """Drafts to verify per drafting request, from its confidences."""
         if self.threshold is not None:
             return plan_threshold(confidences, self.threshold)
-        # Every sampling request of the step emits a token and pays for its fed rows; prefill chunks
-        # that do not sample yet only cost time.
-        by_index = dict(zip(drafting, confidences))
+        window_of = self._budget(plan, dict(zip(drafting, confidences)))
+        return [window_of[i] for i in drafting]
+
+    def _budget(self, plan: StepPlan, confidences: dict[int, list[float]]) -> dict[int, int]:
+        """The planner's drafts to verify per sampling request (by plan index) of this step, given the
+        confidences of those that draft. Every sampling request emits a token and pays for its fed rows;
+        prefill chunks that do not sample yet only cost time."""
         sampling_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
-        windows = plan_budget([by_index.get(i, []) for i in sampling_idx], self.cost,
+        windows = plan_budget([confidences.get(i, []) for i in sampling_idx], self.cost,
                               [plan.scheduled[i].num_feed for i in sampling_idx],
                               sum(s.num_feed for s in plan.scheduled if not s.samples))
-        window_of = dict(zip(sampling_idx, windows))
-        return [window_of[i] for i in drafting]
+        return dict(zip(sampling_idx, windows))
 
     @torch.inference_mode()
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
@@ -293,5 +340,7 @@ class BlockDrafterProposer(CommittedContext):
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
+        self.forecast.pop(req.request_id, None)
+        self.skipped.pop(req.request_id, None)
         if self.hybrid is not None:
             self.hybrid.release(req)
