@@ -5,11 +5,16 @@ far each drafter's guesses hold, not how the budget planner trades them against 
 (benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
 
     python benchmarks/acceptance.py                      # 30 prompts per workload, 256 new tokens
+
+Each configuration's results are kept under --cells-dir as it finishes; `--resume` reuses those made with
+the same settings, so an interrupted run (or one that adds a drafter) redoes only what is missing.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -51,17 +56,34 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=768)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (speed only)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cells-dir", default=str(RESULTS / ".acceptance-cells"),
+                        help="where each configuration's results are kept as it finishes")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse configurations finished under --cells-dir with the same settings")
     args = parser.parse_args()
+    cells_dir = Path(args.cells_dir)
+    cells_dir.mkdir(parents=True, exist_ok=True)
 
     loaded = {name: load_workload(name) for name in args.workloads.split(",")}
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     workloads, cells = None, {}
     for label, engine_args in configurations(args).items():
+        settings = json.dumps({"engine": engine_args, "workloads": args.workloads, "num_prompts": args.num_prompts,
+                               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                               "batch_size": args.batch_size, "threads": args.threads}, sort_keys=True)
+        saved = cells_dir / f"{label}.pkl"
+        if args.resume and saved.is_file():
+            kept_settings, kept_cells = pickle.loads(saved.read_bytes())
+            if kept_settings == settings:
+                print(f"{label}: reusing {saved}")
+                cells[label] = kept_cells
+                continue
         llm = LLM(num_threads=args.threads, max_running_requests=args.batch_size, **engine_args)
         workloads = workloads or select_prompts(llm.tokenizer, loaded, args.num_prompts, args.max_prompt_tokens)
         llm.generate([chat_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))],
                      SamplingParams(max_new_tokens=4, temperature=0.0))
         cells[label] = run_algorithm(llm, label, workloads, params, args.batch_size)
+        saved.write_bytes(pickle.dumps((settings, cells[label])))
         del llm
         gc.collect()
 
@@ -75,8 +97,9 @@ def main() -> None:
     summary = {f"{label}_macro_accept_length": macro(label) for label in ("dspark", "dspark_pure", "dflash", "eagle",
                                                                          "ngram")}
     summary["dspark_vs_ngram"] = round(macro("dspark") / macro("ngram"), 3)
-    if macro("dflash"):
-        summary["dspark_pure_vs_dflash"] = round(macro("dspark_pure") / macro("dflash"), 3)
+    for other in ("dflash", "eagle"):
+        if macro(other):
+            summary[f"dspark_pure_vs_{other}"] = round(macro("dspark_pure") / macro(other), 3)
     summary["text_differs"] = sum(s[label].get("text_differs", 0) for label in s)
     plot(record, RESULTS / "acceptance.png")
     path = write_result("acceptance", summary, {"per_algorithm": s, "results": record["results"],
