@@ -63,8 +63,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     kv_shape = (meta.batch, -1, pool.geometry.num_kv_heads, head_dim)
     keys = pool.k[layer].index_select(0, flat).view(kv_shape).transpose(1, 2)   # [batch, kv_heads, max_kv, head_dim]
     values = pool.v[layer].index_select(0, flat).view(kv_shape).transpose(1, 2)
-    if meta.batch == 1 and meta.max_q == num_tokens:
-        queries = q.transpose(0, 1).unsqueeze(0)
+    # Every sequence with max_q new tokens (decode steps, equal windows): the flat rows are the padded layout.
+    unpadded = num_tokens == meta.batch * meta.max_q
+    if unpadded:
+        queries = q.view(meta.batch, meta.max_q, heads, head_dim).transpose(1, 2)
     else:
         padded = q.new_zeros(meta.batch * meta.max_q, heads, head_dim)
         padded[meta.query_slot] = q
@@ -72,6 +74,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=True)             # [batch, heads, max_q, head_dim]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, heads * head_dim)
-    if meta.batch == 1 and meta.max_q == num_tokens:
-        return out
-    return out[meta.query_slot]
+    return out if unpadded else out[meta.query_slot]
