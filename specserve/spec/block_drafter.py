@@ -14,7 +14,8 @@ row with the drafted previous token and sizes each window from its confidences, 
 planner (default) or a survival threshold (spec/budget.py). The planner also decides who drafts at all:
 a request whose mean confidences so far would buy no verify row at this step's cost skips the block
 (at large batch, where extra rows cost as much as they win, the block would only be overhead), and
-drafts again to re-measure after PROBE_EVERY skipped steps. With --speculative-ngram-hybrid, DSPARK
+drafts again to re-measure every PROBE_EVERY steps (all such requests in the same step, so the block
+runs in one step of PROBE_EVERY instead of in a different one for each request). With --speculative-ngram-hybrid, DSPARK
 also looks up an n-gram continuation per request and verifies it instead when its expected accepted
 length is larger (NgramHybrid); requests whose block may not run yet draft n-grams alone."""
 from __future__ import annotations
@@ -134,7 +135,7 @@ class BlockDrafterProposer(CommittedContext):
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
         # request id → (sum, count) of the confidences of its blocks so far, per block row
         self.forecast: dict[str, tuple[list[float], list[int]]] = {}
-        self.skipped: dict[str, int] = {}     # request id → blocks skipped in a row on that forecast
+        self.num_steps = 0                    # proposals made: every PROBE_EVERY-th re-measures skipped requests
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
     @classmethod
@@ -175,8 +176,9 @@ class BlockDrafterProposer(CommittedContext):
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
         jobs = [(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
-        if self.cost is not None:
+        if self.cost is not None and self.num_steps % self.PROBE_EVERY:
             jobs = self._worth_drafting(plan, jobs)
+        self.num_steps += 1
         candidates: dict[int, Candidate] = {}     # by plan index
         if jobs:
             tokens, positions, spans = [], [], []
@@ -233,7 +235,7 @@ class BlockDrafterProposer(CommittedContext):
 
     def _worth_drafting(self, plan: StepPlan, jobs: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
-        confidences, those without a forecast yet, and those due to re-measure."""
+        confidences, and those without a forecast yet."""
         prior, weight = NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT
         forecast = {i: [(total + weight * prior) / (count + weight)
                         for total, count in zip(*self.forecast[req.request_id])][:n]
@@ -241,15 +243,7 @@ class BlockDrafterProposer(CommittedContext):
         if not forecast:
             return jobs
         window_of = self._budget(plan, forecast)
-        kept = []
-        for job in jobs:
-            i, rid = job[0], job[1].request_id
-            if i not in forecast or window_of[i] > 0 or self.skipped.get(rid, 0) >= self.PROBE_EVERY:
-                kept.append(job)
-                self.skipped[rid] = 0
-            else:
-                self.skipped[rid] = self.skipped.get(rid, 0) + 1
-        return kept
+        return [job for job in jobs if job[0] not in forecast or window_of[job[0]] > 0]
 
     def _weigh_ngrams(self, plan: StepPlan, candidates: dict[int, Candidate]) -> None:
         """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
@@ -341,6 +335,5 @@ class BlockDrafterProposer(CommittedContext):
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
         self.forecast.pop(req.request_id, None)
-        self.skipped.pop(req.request_id, None)
         if self.hybrid is not None:
             self.hybrid.release(req)
