@@ -1,6 +1,6 @@
 """Acceptance length (emitted tokens / verify steps, greedy) per workload of every drafter for the embedded
-SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and DFLASH / EAGLE
-drafters when given. Block windows are verified in full (confidence threshold 0), so the numbers say how
+SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and the DFLASH / EAGLE
+drafters trained for comparison (benchmarks/drafters/). Block windows are verified in full (confidence threshold 0), so the numbers say how
 far each drafter's guesses hold, not how the budget planner trades them against batch cost
 (benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
 
@@ -28,6 +28,8 @@ from specserve.engine import LLM  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
 BLOCK = 8
+# DFLASH and EAGLE drafters trained like the shipped DSPARK one (same data, steps and CPU time), for comparison
+COMPARISON = Path(__file__).resolve().parent / "drafters"
 
 
 def configurations(args: argparse.Namespace) -> dict[str, dict]:
@@ -48,8 +50,11 @@ def configurations(args: argparse.Namespace) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dspark", default=str(EMBEDDED_DSPARK), help="DSPARK drafter folder")
-    parser.add_argument("--dflash", default=None, help="DFLASH drafter folder (skipped if not given)")
-    parser.add_argument("--eagle", default=None, help="EAGLE drafter folder (skipped if not given)")
+    for algorithm in ("dflash", "eagle"):
+        folder = COMPARISON / f"smollm2-135m-{algorithm}"
+        parser.add_argument(f"--{algorithm}", default=str(folder) if folder.is_dir() else None,
+                            help=f"{algorithm.upper()} drafter folder (default: {folder.relative_to(COMPARISON.parent.parent)}"
+                                 " if present; skipped if none)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--num-prompts", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=256)
