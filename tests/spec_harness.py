@@ -165,6 +165,25 @@ def assert_stats_consistent(run_: Run, max_drafts: int) -> None:
     assert run_.engine.stats.as_dict() == total.as_dict()
 
 
+SAMPLED = [SamplingParams(temperature=0.8, top_k=5, seed=100 + i, max_new_tokens=12, ignore_eos=True, logprobs=True,
+                          top_logprobs=5) for i in range(4)]
+
+
+def assert_sampled_batch_valid(ckpt: LoadedCheckpoint, prompts: Sequence[Sequence[int]], batched: Run,
+                               max_drafts: int, **engine_kw) -> None:
+    """`batched` ran `prompts` with SAMPLED: the third request samples what it samples alone, every output
+    has its length and each token is one of its top-5 logprobs (top_k=5 keeps just those), and other seeds
+    sample other tokens."""
+    alone = run(ckpt, prompts[2:3], SAMPLED[2:3], **engine_kw)
+    assert alone.outputs[0].token_ids == batched.outputs[2].token_ids
+    for out in batched.outputs:
+        assert len(out.token_ids) == 12
+        assert all(tok in top for tok, top in zip(out.token_ids, out.top_logprobs))
+    assert_stats_consistent(batched, max_drafts)
+    reseeded = run(ckpt, prompts, [dataclasses.replace(p, seed=p.seed + 50) for p in SAMPLED], **engine_kw)
+    assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in batched.outputs]
+
+
 def mean_accept_length(run_: Run) -> float:
     return sum(len(o.token_ids) for o in run_.outputs) / sum(o.spec["verify_ct"] for o in run_.outputs)
 

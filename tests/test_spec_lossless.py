@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from specserve.types import SamplingParams
 from tests.spec_harness import (
+    SAMPLED,
     Run,
     assert_pages_released,
     assert_same_as_plain,
+    assert_sampled_batch_valid,
     assert_stats_consistent,
     first_layers,
     make_engine,
@@ -119,19 +121,9 @@ def test_preemption_under_speculation_recomputes_both_pools(tiny_llama, spec_kwa
 @pytest.mark.parametrize("case", CASES)
 def test_sampled_speculation_is_reproducible_and_valid(tiny_llama, spec_kwargs, case):
     prompts = make_prompts(4, seed=7)
-    params = [SamplingParams(temperature=0.8, top_k=5, seed=100 + i, max_new_tokens=12, ignore_eos=True,
-                             logprobs=True, top_logprobs=5) for i in range(4)]
     kw = {"speculative_num_draft_tokens": 4, **spec_kwargs(case)}
-    batched = run(tiny_llama, prompts, params, **kw)
-    alone = run(tiny_llama, prompts[2:3], params[2:3], **kw)
-    assert alone.outputs[0].token_ids == batched.outputs[2].token_ids
-    for out in batched.outputs:
-        assert len(out.token_ids) == 12
-        # top_k=5 keeps the five most likely tokens, which are the five top logprobs
-        assert all(tok in top for tok, top in zip(out.token_ids, out.top_logprobs))
-    assert_stats_consistent(batched, 4)
-    reseeded = run(tiny_llama, prompts, [SamplingParams(**{**p.__dict__, "seed": p.seed + 50}) for p in params], **kw)
-    assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in batched.outputs]
+    batched = run(tiny_llama, prompts, SAMPLED, **kw)
+    assert_sampled_batch_valid(tiny_llama, prompts, batched, 4, **kw)
     unseeded = run(tiny_llama, prompts, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True), **kw)
     assert all(len(o.token_ids) == 12 for o in unseeded.outputs)
 
