@@ -125,12 +125,6 @@ class Engine:
         self._finish(req, "abort")
         return self.output(req)
 
-    def num_cache_only_pages(self) -> int:
-        """Pages no request holds, kept by the prefix cache (evicted when the allocator runs low)."""
-        if self.prefix_cache is None:
-            return 0
-        return sum(self.allocator.refcounts[p] == 1 for p in self.prefix_cache.cached_pages())
-
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

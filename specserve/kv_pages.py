@@ -24,6 +24,10 @@ class PageAllocator:
         self.num_pages = num_pages
         self.refcounts = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out low ids first
+        # Pages the prefix cache holds, and how many of them nobody else does: kept as refcounts
+        # change, because /metrics reads it every step and the cache may hold most of the pool.
+        self._cached = [False] * num_pages
+        self.num_cache_only = 0
 
     @property
     def num_free(self) -> int:
@@ -41,14 +45,25 @@ class PageAllocator:
     def share(self, pages: list[int]) -> None:
         for p in pages:
             assert self.refcounts[p] > 0, f"cannot share free page {p}"
+            self.num_cache_only -= self._cached[p] and self.refcounts[p] == 1
             self.refcounts[p] += 1
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
             assert self.refcounts[p] > 0, f"double free of page {p}"
             self.refcounts[p] -= 1
+            self.num_cache_only += self._cached[p] and self.refcounts[p] == 1
             if self.refcounts[p] == 0:
+                assert not self._cached[p], f"freed page {p} while the prefix cache holds it"
                 self._free.append(p)
+
+    def set_cached(self, pages: list[int], cached: bool) -> None:
+        """Mark pages as held (or no longer held) by the prefix cache, whose own reference they already
+        (still) carry."""
+        for p in pages:
+            assert self.refcounts[p] > 0 and self._cached[p] != cached, f"page {p} cannot change its cached mark"
+            self._cached[p] = cached
+            self.num_cache_only += (1 if cached else -1) * (self.refcounts[p] == 1)
 
     def free_page_ids(self) -> list[int]:
         return list(self._free)

@@ -97,6 +97,7 @@ class RadixCache:
             if child is None:
                 new = Node(tuple(tokens[i:]), list(pages[p:]), node, last_access=now)
                 self.allocator.share(new.pages)
+                self.allocator.set_cached(new.pages, True)
                 self.num_pages += len(new.pages)
                 node.children[key] = new
                 return
@@ -115,6 +116,7 @@ class RadixCache:
         heapq.heapify(leaves)
         while leaves and self.allocator.num_free < num_free:
             *_, node = heapq.heappop(leaves)
+            self.allocator.set_cached(node.pages, False)
             self.allocator.free(node.pages)
             self.num_pages -= len(node.pages)
             self.stats.evicted_pages += len(node.pages)

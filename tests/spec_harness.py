@@ -144,6 +144,7 @@ def assert_consistent(engine: Engine) -> None:
     if engine.prefix_cache is not None:
         assert engine.prefix_cache.locked_request_ids() <= {r.request_id for r in sched.running}
     assert alloc.refcounts == [held[p] for p in range(alloc.num_pages)]
+    assert alloc.num_cache_only == sum(alloc.refcounts[p] == 1 for p in cached_pages(engine))
     assert sorted(alloc.free_page_ids()) == [p for p in range(alloc.num_pages) if not held[p]]
     tracked = getattr(engine.proposer, "num_valid", {})
     assert set(tracked) <= {r.request_id for r in sched.running}, "proposer state outlived its request"

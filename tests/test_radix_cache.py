@@ -114,6 +114,7 @@ def test_random_insert_match_lock_evict_keeps_refcounts_consistent(ops):
         assert max(cached.values(), default=1) == 1 and cache.num_pages == len(cached)
         want = cached + Counter(p for pages in held.values() for p in pages)
         assert alloc.refcounts == [want[p] for p in range(24)]
+        assert alloc.num_cache_only == sum(alloc.refcounts[p] == 1 for p in cached)
         assert cache.locked_request_ids() == set(held)
     for rid, pages in held.items():
         alloc.free(pages)

@@ -18,7 +18,7 @@ from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.loader import LoadedCheckpoint
 from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
 from specserve.profile import STARTUP_ROWS
-from specserve.spec.block_drafter import BlockDrafterProposer
+from specserve.spec.block_drafter import BlockDrafterProposer, RowMeans
 from specserve.spec.budget import CostTable
 from specserve.spec.ngram import prompt_lookup
 from specserve.types import Request, SamplingParams
@@ -372,3 +372,20 @@ def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
 def test_hybrid_needs_dspark(tiny_llama, drafters):
     with pytest.raises(ValueError, match="--speculative-ngram-hybrid needs DSPARK"):
         make_engine(tiny_llama, **CASES["dflash"](drafters), speculative_ngram_hybrid=True)
+
+
+def test_row_means_pull_towards_the_prior_and_fill_unseen_rows():
+    means = RowMeans()
+    assert means.means(3, 0.5, 2.0) == [0.5, 0.5, 0.5]
+    means.add([1.0, 0.2])
+    means.add([0.0])
+    assert means.means(3, 0.5, 2.0) == pytest.approx([(1.0 + 1.0) / 4, (0.2 + 1.0) / 3, 0.5])
+    assert means.means(1, 0.5, 2.0) == pytest.approx([0.5])
+
+
+def test_row_means_count_a_verified_window_up_to_its_first_rejection():
+    means = RowMeans()
+    means.add_verified(num_verified=4, num_accepted=2)    # rows 0, 1 accepted, row 2 rejected, row 3 unreached
+    means.add_verified(num_verified=2, num_accepted=2)    # both accepted, nothing rejected
+    assert means.sums == [2.0, 2.0, 0.0] and means.counts == [2, 2, 1]
+

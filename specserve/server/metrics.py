@@ -53,7 +53,7 @@ class Metrics:
         self.waiting.set(len(engine.scheduler.waiting))
         pools = ["target"] + (["draft"] if engine.draft_pool is not None else [])
         free = engine.allocator.num_free
-        cache_only = engine.num_cache_only_pages()
+        cache_only = engine.allocator.num_cache_only   # kept by the prefix cache alone
         for pool in pools:   # both pools hold the same page ids, so their counts agree
             self.pages_used.labels(pool).set(engine.allocator.num_pages - free - cache_only)
             self.pages_free.labels(pool).set(free)

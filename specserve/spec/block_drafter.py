@@ -71,21 +71,34 @@ class Candidate(NamedTuple):
     from_ngram: bool = False
 
 
-class RowAcceptance:
-    """How often n-gram draft row k was accepted when it was reached (rows before it accepted)."""
+class RowMeans:
+    """Running mean per draft row (row k: the k+1-th draft of a window), each pulled towards a prior
+    as if the prior had been seen `strength` times: how good a proposer has been on one request."""
 
-    def __init__(self, rows: int) -> None:
-        self.reached = [0] * rows
-        self.accepted = [0] * rows
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+        self.counts: list[int] = []
 
-    def record(self, num_verified: int, num_accepted: int) -> None:
-        for k in range(min(num_accepted + 1, num_verified)):
-            self.reached[k] += 1
-            self.accepted[k] += k < num_accepted
+    def add(self, values: list[float]) -> None:
+        """One observation for each of rows 0 .. len(values) - 1."""
+        for k, value in enumerate(values):
+            if k == len(self.sums):
+                self.sums.append(0.0)
+                self.counts.append(0)
+            self.sums[k] += value
+            self.counts[k] += 1
 
-    def rates(self, prior: list[float], strength: float) -> list[float]:
-        """Per-row acceptance estimates, each pulled towards `prior` as if seen `strength` times."""
-        return [(a + strength * p) / (r + strength) for a, r, p in zip(self.accepted, self.reached, prior)]
+    def add_verified(self, num_verified: int, num_accepted: int) -> None:
+        """A verified window as acceptance observations: each row that was reached (all before it
+        accepted) counts 1 if accepted, else 0."""
+        accepted = min(num_accepted, num_verified)
+        self.add([1.0] * accepted + [0.0] * (accepted < num_verified))
+
+    def means(self, rows: int, prior: float, strength: float) -> list[float]:
+        """The estimates of rows 0 .. rows - 1; rows never observed are the prior."""
+        observed = [(total + strength * prior) / (count + strength)
+                    for total, count in zip(self.sums[:rows], self.counts[:rows])]
+        return observed + [prior] * (rows - len(observed))
 
 
 class NgramHybrid:
@@ -96,23 +109,22 @@ class NgramHybrid:
     tokens whatever runs beside it."""
     PRIOR, PRIOR_WEIGHT = 0.5, 2.0
 
-    def __init__(self, rows: int, ngram_min: int, ngram_max: int) -> None:
-        self.rows = rows
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.per_request: dict[str, RowAcceptance] = {}
+        self.per_request: dict[str, RowMeans] = {}
         self.pending: dict[str, int] = {}     # request id → n-gram drafts verified in this step
 
     def lookup(self, req: Request, n: int) -> tuple[list[int], list[float]]:
         drafts = prompt_lookup(req.all_token_ids, self.ngram_min, self.ngram_max, n)
-        seen = self.per_request.get(req.request_id) or RowAcceptance(self.rows)
-        return drafts, seen.rates([self.PRIOR] * self.rows, self.PRIOR_WEIGHT)[:len(drafts)]
+        seen = self.per_request.get(req.request_id) or RowMeans()
+        return drafts, seen.means(len(drafts), self.PRIOR, self.PRIOR_WEIGHT)
 
     def record(self, plan: StepPlan, result: VerifyResult) -> None:
         for s, res in zip(plan.scheduled, result.per_request):
             rid = s.request.request_id
             verified = self.pending.pop(rid, 0)
             if verified and res is not None and not s.request.finished:
-                self.per_request.setdefault(rid, RowAcceptance(self.rows)).record(verified, res.num_accepted)
+                self.per_request.setdefault(rid, RowMeans()).add_verified(verified, res.num_accepted)
 
     def release(self, req: Request) -> None:
         self.per_request.pop(req.request_id, None)
@@ -133,8 +145,7 @@ class BlockDrafterProposer(CommittedContext):
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
-        # request id → (sum, count) of the confidences of its blocks so far, per block row
-        self.forecast: dict[str, tuple[list[float], list[int]]] = {}
+        self.forecast: dict[str, RowMeans] = {}   # request id → the confidences of its blocks so far
         self.num_steps = 0                    # proposals made: every PROBE_EVERY-th re-measures skipped requests
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
@@ -157,7 +168,7 @@ class BlockDrafterProposer(CommittedContext):
         threshold = spec.dspark_confidence_threshold
         if spec.algorithm == "DFLASH":
             return cls(drafter, gamma)
-        hybrid = NgramHybrid(gamma, spec.ngram_min, spec.ngram_max) if spec.ngram_hybrid else None
+        hybrid = NgramHybrid(spec.ngram_min, spec.ngram_max) if spec.ngram_hybrid else None
         if threshold is not None:
             if not 0.0 <= threshold <= 1.0:
                 raise ValueError(f"--speculative-dspark-confidence-threshold must be in [0, 1], got {threshold}")
@@ -197,8 +208,10 @@ class BlockDrafterProposer(CommittedContext):
                 rows = [k for *_, n in jobs for k in range(n)]
                 c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
                 confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
+                # The forecast is the mean over the request's blocks, not its last block: one unsure
+                # token must not stop the next block.
                 for (_, req, _), conf in zip(jobs, confidences):
-                    self._update_forecast(req.request_id, conf)
+                    self.forecast.setdefault(req.request_id, RowMeans()).add(conf)
             candidates = {i: Candidate(d, q, c) for (i, _, _), d, q, c in zip(jobs, drafts, probs, confidences)}
         if self.hybrid is not None:
             self._weigh_ngrams(plan, candidates)
@@ -221,24 +234,10 @@ class BlockDrafterProposer(CommittedContext):
                 self.hybrid.pending[plan.scheduled[i].request.request_id] = m
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
 
-    def _update_forecast(self, request_id: str, confidences: list[float]) -> None:
-        """Confidence per block row summed over the request's blocks so far: the forecast is their mean,
-        pulled towards an even prior like the n-gram rows' estimates, so it tells how good the drafter is
-        on this request, not on its last token (one unsure block must not stop the next)."""
-        sums, counts = self.forecast.setdefault(request_id, ([], []))
-        for k, c in enumerate(confidences):
-            if k == len(sums):
-                sums.append(0.0)
-                counts.append(0)
-            sums[k] += c
-            counts[k] += 1
-
     def _worth_drafting(self, plan: StepPlan, jobs: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
         confidences, and those without a forecast yet."""
-        prior, weight = NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT
-        forecast = {i: [(total + weight * prior) / (count + weight)
-                        for total, count in zip(*self.forecast[req.request_id])][:n]
+        forecast = {i: self.forecast[req.request_id].means(n, NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT)
                     for i, req, n in jobs if req.request_id in self.forecast}
         if not forecast:
             return jobs
