@@ -18,8 +18,9 @@ def reference(q, k, v, causal_offset, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
+@pytest.mark.parametrize("chunk_kv_rows", [AttentionMetadata.CHUNK_KV_ROWS, 24, 1])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ragged_paged_attention_matches_per_sequence_reference(causal):
+def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_rows):
     torch.manual_seed(0)
     page_size, heads, kv_heads, d = 4, 4, 2, 8
     pool = KVPool(KVGeometry(1, kv_heads, d, torch.float64), 12, page_size)
@@ -34,7 +35,9 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal):
             pool.write(0, meta.slot_mapping, k, v)
             history[b] = (k, v)
     spans = [SeqSpan(pages, cached, new, causal) for cached, new, pages in layout]
-    meta = AttentionMetadata.build(spans, page_size, pool.null_slot)
+    meta = AttentionMetadata.build(spans, page_size, pool.null_slot, chunk_kv_rows)
+    # sequences go together while their padded K/V fits the budget, and always at least one per chunk
+    assert [c.batch for c in meta.chunks] == {AttentionMetadata.CHUNK_KV_ROWS: [4], 24: [3, 1], 1: [1, 1, 1, 1]}[chunk_kv_rows]
     total = sum(new for _, new, _ in layout)
     q = torch.randn(total, heads, d, dtype=torch.float64)
     k = torch.randn(total, kv_heads, d, dtype=torch.float64)
