@@ -1,5 +1,7 @@
 """NGRAM prompt lookup: which occurrence it copies from, how far, and what it proposes per request."""
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specserve.engine import LLM
 from specserve.spec.ngram import NgramProposer, prompt_lookup
@@ -19,6 +21,25 @@ from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
 ])
 def test_prompt_lookup(tokens, ngram_min, ngram_max, k, drafts):
     assert prompt_lookup(tokens, ngram_min, ngram_max, k) == drafts
+
+
+def reference_lookup(tokens, ngram_min, ngram_max, k):
+    """The definition, longest n first: the latest earlier n-gram equal to the suffix, then copy on."""
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+        if ends:
+            seq = list(tokens)
+            for i in range(ends[-1] + 1, ends[-1] + 1 + k):
+                seq.append(seq[i])
+            return seq[len(tokens):]
+    return []
+
+
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), ngram_min=st.integers(1, 3),
+       extra=st.integers(0, 3), k=st.integers(0, 9))
+def test_prompt_lookup_matches_the_definition(tokens, ngram_min, extra, k):
+    assert prompt_lookup(tokens, ngram_min, ngram_min + extra, k) == reference_lookup(tokens, ngram_min,
+                                                                                        ngram_min + extra, k)
 
 
 def test_propose_respects_reserved_slots_and_prefill_chunks():

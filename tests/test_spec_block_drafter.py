@@ -183,13 +183,13 @@ def test_windows_differ_per_request_and_follow_confidence(spec_run, case):
     assert full > 10 and cut > 10
 
 
-def count_blocks(engine: Engine) -> list[int]:
-    """How many requests each block forward of `engine` drafted for."""
+def count_blocks(engine: Engine) -> list[tuple[int, int]]:
+    """(proposal number from 0, requests drafted for) of each block forward of `engine`."""
     calls = []
     block_hidden = engine.proposer.drafter.block_hidden
 
     def counting(input_ids, positions, meta, pool):
-        calls.append(meta.batch)
+        calls.append((engine.proposer.num_steps - 1, sum(c.batch for c in meta.chunks)))
         return block_hidden(input_ids, positions, meta, pool)
 
     engine.proposer.drafter.block_hidden = counting
@@ -199,8 +199,8 @@ def count_blocks(engine: Engine) -> list[int]:
 def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path):
     """When an extra verify row costs a whole forward no window pays off (bar steps that also run a
     prefill chunk, whose rows make one more row relatively cheap): after each request's first
-    block the planner skips the block, all requests drafting again together to re-measure every
-    PROBE_EVERY steps. Outputs stay plain decoding's."""
+    block the planner skips the block, the requests drafting again together to re-measure after
+    PROBE_EVERY steps, then twice as many each time. Outputs stay plain decoding's."""
     CostTable((1, 64), (1.0, 64.0)).save(tmp_path / "dear.json")
     prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True,
                                                    top_logprobs=2)
@@ -216,9 +216,13 @@ def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path
     # only a prefill chunk in the same forward makes a row cheap enough relative to the step
     assert all(max(s.num_feed for s in plan.scheduled) > 1 for plan, _, proposal in seen if any(proposal.draft_tokens))
     every, steps = BlockDrafterProposer.PROBE_EVERY, engine.proposer.num_steps
-    assert steps > 3 * every
-    # one block per request before it has a forecast, then only in the probing steps
-    assert steps // every // 2 < len(blocks) <= 4 + -(-steps // every) and sum(blocks) <= 4 + 4 * -(-steps // every)
+    assert steps > 4 * every
+    # one block per request before it has a forecast (in the steps that start its decoding), then only
+    # in probing steps, at steps 8, 16, 32, 64, ... (the intervals double while no window pays off)
+    first = [(step, n) for step, n in blocks if step % every]
+    probes = [step for step, _ in blocks if step % every == 0 and step > 0]
+    assert sum(n for _, n in first) <= 4 and all(step < every for step, _ in first)
+    assert probes == [every * 2 ** k for k in range(len(probes))] and every * 2 ** len(probes) > steps
 
 
 def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):

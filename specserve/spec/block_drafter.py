@@ -14,8 +14,9 @@ row with the drafted previous token and sizes each window from its confidences, 
 planner (default) or a survival threshold (spec/budget.py). The planner also decides who drafts at all:
 a request whose mean confidences so far would buy no verify row at this step's cost skips the block
 (at large batch, where extra rows cost as much as they win, the block would only be overhead), and
-drafts again to re-measure every PROBE_EVERY steps (all such requests in the same step, so the block
-runs in one step of PROBE_EVERY instead of in a different one for each request). With --speculative-ngram-hybrid, DSPARK
+drafts again to re-measure after PROBE_EVERY steps, then after twice as many each time the block still
+does not pay off (back to PROBE_EVERY once it does). Probes fall on multiples of PROBE_EVERY, so the
+skipping requests that probe share one block forward. With --speculative-ngram-hybrid, DSPARK
 also looks up an n-gram continuation per request and verifies it instead when its expected accepted
 length is larger (NgramHybrid); requests whose block may not run yet draft n-grams alone."""
 from __future__ import annotations
@@ -132,7 +133,7 @@ class NgramHybrid:
 
 
 class BlockDrafterProposer(CommittedContext):
-    PROBE_EVERY = 8
+    PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
 
     def __init__(self, drafter: BlockDrafter, gamma: int, cost: CostTable | None = None,
                  threshold: float | None = None, hybrid: NgramHybrid | None = None) -> None:
@@ -146,7 +147,8 @@ class BlockDrafterProposer(CommittedContext):
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
         self.forecast: dict[str, RowMeans] = {}   # request id → the confidences of its blocks so far
-        self.num_steps = 0                    # proposals made: every PROBE_EVERY-th re-measures skipped requests
+        self.num_steps = 0                    # proposals made
+        self.probe_every: dict[str, int] = {}  # request id → steps between its probes while it skips the block
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
     @classmethod
@@ -187,7 +189,7 @@ class BlockDrafterProposer(CommittedContext):
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
         jobs = [(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
-        if self.cost is not None and self.num_steps % self.PROBE_EVERY:
+        if self.cost is not None:
             jobs = self._worth_drafting(plan, jobs)
         self.num_steps += 1
         candidates: dict[int, Candidate] = {}     # by plan index
@@ -236,13 +238,22 @@ class BlockDrafterProposer(CommittedContext):
 
     def _worth_drafting(self, plan: StepPlan, jobs: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
-        confidences, and those without a forecast yet."""
+        confidences, those without a forecast yet, and those due to probe."""
         forecast = {i: self.forecast[req.request_id].means(n, NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT)
                     for i, req, n in jobs if req.request_id in self.forecast}
-        if not forecast:
-            return jobs
-        window_of = self._budget(plan, forecast)
-        return [job for job in jobs if job[0] not in forecast or window_of[job[0]] > 0]
+        window_of = self._budget(plan, forecast) if forecast else {}
+        kept = []
+        for job in jobs:
+            i, rid = job[0], job[1].request_id
+            every = self.probe_every.get(rid, self.PROBE_EVERY)
+            if i not in forecast or window_of[i] > 0:
+                self.probe_every.pop(rid, None)
+            elif self.num_steps % every == 0:
+                self.probe_every[rid] = min(2 * every, self.MAX_PROBE_EVERY)
+            else:
+                continue
+            kept.append(job)
+        return kept
 
     def _weigh_ngrams(self, plan: StepPlan, candidates: dict[int, Candidate]) -> None:
         """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
@@ -334,5 +345,6 @@ class BlockDrafterProposer(CommittedContext):
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
         self.forecast.pop(req.request_id, None)
+        self.probe_every.pop(req.request_id, None)
         if self.hybrid is not None:
             self.hybrid.release(req)
