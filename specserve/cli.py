@@ -32,6 +32,9 @@ ENGINE_FLAGS = {
                                                   "cut DSPARK windows where survival < X (default: budget planner)"),
     "--speculative-dspark-cost-table": ("speculative_dspark_cost_table_path", str, None,
                                         "cost table from `specserve profile` (default: cached or measured at start)"),
+    "--speculative-dspark-block-cost": ("speculative_dspark_block_cost", float, None,
+                                        "a block row's time over a target row's, for the planner (default: "
+                                        "the ratio of the weights each multiplies through)"),
     "--speculative-ngram-hybrid": ("speculative_ngram_hybrid", bool, False,
                                    "DSPARK: verify an n-gram continuation instead when it promises more tokens"),
     "--speculative-token-map": ("speculative_token_map_path", str, None, "draft vocabulary file (overrides the drafter's)"),

@@ -53,6 +53,7 @@ class SpecConfig:
     dspark_block_size: int = 8                          # gamma: block rows = drafts (DFLASH, DSPARK)
     dspark_confidence_threshold: float | None = None    # None: the budget planner sizes DSPARK windows
     dspark_cost_table_path: str | None = None           # None: measure a small cost table at startup
+    dspark_block_cost: float | None = None              # a block row's time / a target row's; None: from weights
     token_map_path: str | None = None                   # draft vocabulary, overrides the checkpoint's
     ngram_hybrid: bool = False                          # DSPARK also weighs an n-gram continuation per step
 

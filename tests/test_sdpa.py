@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from specserve.attention import sdpa
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan, paged_attention
 from specserve.kv_pages import KVGeometry, KVPool
 
@@ -18,9 +19,11 @@ def reference(q, k, v, causal_offset, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
+@pytest.mark.parametrize("grouped_max_q", [sdpa.GROUPED_MAX_Q, 0])
 @pytest.mark.parametrize("chunk_kv_rows", [AttentionMetadata.CHUNK_KV_ROWS, 24, 1])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_rows):
+def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_rows, grouped_max_q, monkeypatch):
+    monkeypatch.setattr(sdpa, "GROUPED_MAX_Q", grouped_max_q)    # 0: every query count takes the plain layout
     torch.manual_seed(0)
     page_size, heads, kv_heads, d = 4, 4, 2, 8
     pool = KVPool(KVGeometry(1, kv_heads, d, torch.float64), 12, page_size)

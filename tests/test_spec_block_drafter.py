@@ -78,14 +78,16 @@ def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
 
 CASES = {
     "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
+    # The tiny target's rows are as cheap as the drafter's, which the weights ratio cannot tell: blocks
+    # here are free, and their cost has its own test.
     "dspark-budget": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
-                                "speculative_dspark_cost_table_path": d["cost.json"]},
+                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0},
     "dspark-threshold": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
                                    "speculative_dspark_confidence_threshold": 0.5},
     "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"]},
+                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0},
     "dspark-hybrid": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0,
                                 "speculative_ngram_hybrid": True},
 }
 
@@ -223,6 +225,33 @@ def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path
     probes = [step for step, _ in blocks if step % every == 0 and step > 0]
     assert sum(n for _, n in first) <= 4 and all(step < every for step, _ in first)
     assert probes == [every * 2 ** k for k in range(len(probes))] and every * 2 ** len(probes) > steps
+
+
+def test_blocks_that_cost_more_than_they_win_are_skipped(tiny_llama, drafters):
+    """The sure drafter and cheap verify rows: free blocks run in most steps; blocks whose rows cost ten
+    target rows each run only before a request has a forecast and when probing. Outputs stay plain."""
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True,
+                                                   top_logprobs=2)
+    want = run(tiny_llama, prompts, params, **MATRIX_ENGINE)
+    blocks = {}
+    for block_cost in (0.0, 10.0):
+        engine = make_engine(tiny_llama, **MATRIX_ENGINE, **{**CASES["dspark-budget"](drafters),
+                                                            "speculative_dspark_block_cost": block_cost})
+        blocks[block_cost] = count_blocks(engine)
+        assert_same_as_plain(drive(engine, prompts, params), want)
+    every = BlockDrafterProposer.PROBE_EVERY
+    assert len(blocks[0.0]) > 20
+    assert all(step % every == 0 for step, _ in blocks[10.0] if step >= every) and len(blocks[10.0]) < 10
+
+
+def test_block_cost_defaults_to_the_weights_ratio(tiny_llama, drafters):
+    kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafters["agree"],
+          "speculative_dspark_cost_table_path": drafters["cost.json"]}
+    engine = make_engine(tiny_llama, **kw)
+    ratio = engine.proposer.drafter.block_row_weights() / engine.model.row_weights()
+    assert ratio > 0 and engine.proposer.relative_block_cost == ratio
+    with pytest.raises(ValueError, match="--speculative-dspark-block-cost must be >= 0"):
+        make_engine(tiny_llama, **kw, speculative_dspark_block_cost=-1.0)
 
 
 def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):

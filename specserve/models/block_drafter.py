@@ -265,6 +265,11 @@ class BlockDrafter:
             self.confidence_head = Linear(w["confidence.weight"], w["confidence.bias"])   # hidden + r → 1
             self.temperatures = torch.tensor(c.confidence_temperatures, dtype=dtype)   # [block_size]
 
+    def block_row_weights(self) -> int:
+        """Weights one block row multiplies through: its layers, the draft head and the DSPARK heads."""
+        heads = self.w2.num_weights + self.confidence_head.num_weights if self.markov else 0
+        return self.model.row_weights() + heads
+
     def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
         """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]."""
         c = self.config

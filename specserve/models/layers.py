@@ -54,6 +54,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  plain_single_row: bool = False) -> None:
         self.bias = bias
+        self.num_weights = weight.numel()
         self.packed = None
         self.plain = None
         if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():

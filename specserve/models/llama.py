@@ -62,6 +62,11 @@ class LlamaModel:
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
         self.scale = config.head_dim ** -0.5
 
+    def row_weights(self) -> int:
+        """Weights one token's row multiplies through in a forward, the vocabulary projection included."""
+        return self.head.num_weights + sum(layer.qkv.num_weights + layer.o.num_weights + layer.gate_up.num_weights
+                                           + layer.down.num_weights for layer in self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [num_tokens] → final-normed hidden [num_tokens, hidden] and the

@@ -136,10 +136,14 @@ class BlockDrafterProposer(CommittedContext):
     PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
 
     def __init__(self, drafter: BlockDrafter, gamma: int, cost: CostTable | None = None,
-                 threshold: float | None = None, hybrid: NgramHybrid | None = None) -> None:
+                 threshold: float | None = None, hybrid: NgramHybrid | None = None,
+                 relative_block_cost: float = 0.0) -> None:
         self.drafter = drafter
         self.gamma = gamma
         self.cost = cost                      # DSPARK's budget planner
+        # A block over r rows costs about this fraction of a target forward over r rows (by default the
+        # weights a row multiplies through, drafter against target: both stream their weights per step).
+        self.relative_block_cost = relative_block_cost
         self.threshold = threshold            # DSPARK's survival threshold, used instead of the planner
         self.hybrid = hybrid                  # DSPARK's n-gram option
         self.aux_layer_ids = drafter.config.target_layer_ids
@@ -175,7 +179,12 @@ class BlockDrafterProposer(CommittedContext):
             if not 0.0 <= threshold <= 1.0:
                 raise ValueError(f"--speculative-dspark-confidence-threshold must be in [0, 1], got {threshold}")
             return cls(drafter, gamma, threshold=threshold, hybrid=hybrid)
-        return cls(drafter, gamma, cost=startup_cost_table(spec, target), hybrid=hybrid)
+        block_cost = spec.dspark_block_cost
+        if block_cost is None:
+            block_cost = drafter.block_row_weights() / target.model.row_weights()
+        elif not block_cost >= 0.0:
+            raise ValueError(f"--speculative-dspark-block-cost must be >= 0 (a ratio of times), got {block_cost}")
+        return cls(drafter, gamma, cost=startup_cost_table(spec, target), hybrid=hybrid, relative_block_cost=block_cost)
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
@@ -238,22 +247,41 @@ class BlockDrafterProposer(CommittedContext):
 
     def _worth_drafting(self, plan: StepPlan, jobs: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
-        confidences, those without a forecast yet, and those due to probe."""
+        confidences, if the rows they win pay for the block's own time too, those without a forecast
+        yet, and those due to probe."""
         forecast = {i: self.forecast[req.request_id].means(n, NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT)
                     for i, req, n in jobs if req.request_id in self.forecast}
         window_of = self._budget(plan, forecast) if forecast else {}
-        kept = []
+        must, may = [], []
         for job in jobs:
             i, rid = job[0], job[1].request_id
             every = self.probe_every.get(rid, self.PROBE_EVERY)
-            if i not in forecast or window_of[i] > 0:
-                self.probe_every.pop(rid, None)
-            elif self.num_steps % every == 0:
-                self.probe_every[rid] = min(2 * every, self.MAX_PROBE_EVERY)
-            else:
-                continue
-            kept.append(job)
-        return kept
+            if i in forecast and window_of[i] > 0:
+                may.append(job)
+            elif i not in forecast or self.num_steps % every == 0:
+                must.append(job)
+                if i in forecast:
+                    self.probe_every[rid] = min(2 * every, self.MAX_PROBE_EVERY)
+        if may and not self._pays_off(plan, forecast, window_of, must, may):
+            may = []
+        for _, req, _ in may:
+            self.probe_every.pop(req.request_id, None)
+        return sorted(must + may)
+
+    def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
+                  must: list[tuple[int, Request, int]], may: list[tuple[int, Request, int]]) -> bool:
+        """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block rows."""
+        def block_time(rows: int) -> float:
+            return self.relative_block_cost * self.cost.time(rows) if rows else 0.0
+
+        emitting = sum(s.samples for s in plan.scheduled)
+        fed = sum(s.num_feed for s in plan.scheduled)
+        gain = sum(sum(survivals(forecast[i])[:window_of[i]]) for i, _, _ in may)
+        must_rows = sum(n for *_, n in must)
+        without = emitting / (self.cost.time(fed) + block_time(must_rows))
+        with_may = (emitting + gain) / (self.cost.time(fed + sum(window_of[i] for i, _, _ in may))
+                                        + block_time(must_rows + sum(n for *_, n in may)))
+        return with_may > without
 
     def _weigh_ngrams(self, plan: StepPlan, candidates: dict[int, Candidate]) -> None:
         """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
