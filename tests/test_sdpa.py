@@ -40,7 +40,8 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_
     spans = [SeqSpan(pages, cached, new, causal) for cached, new, pages in layout]
     meta = AttentionMetadata.build(spans, page_size, pool.null_slot, chunk_kv_rows)
     # sequences go together while their padded K/V fits the budget, and always at least one per chunk
-    assert [c.batch for c in meta.chunks] == {AttentionMetadata.CHUNK_KV_ROWS: [4], 24: [3, 1], 1: [1, 1, 1, 1]}[chunk_kv_rows]
+    want = {AttentionMetadata.CHUNK_KV_ROWS: [4], 24: [3, 1], 1: [1, 1, 1, 1]}[chunk_kv_rows]
+    assert [c.batch for c in meta.chunks] == want
     total = sum(new for _, new, _ in layout)
     q = torch.randn(total, heads, d, dtype=torch.float64)
     k = torch.randn(total, kv_heads, d, dtype=torch.float64)

@@ -78,16 +78,20 @@ def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
 
 CASES = {
     "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
-    # The tiny target's rows are as cheap as the drafter's, which the weights ratio cannot tell: blocks
-    # here are free, and their cost has its own test.
+    # By weights a tiny drafter's row costs a large part of a tiny target row (the agreeing drafter has a
+    # Markov rank per memorised transition). These cases are about windows, so their blocks are free;
+    # the block's cost has its own tests.
     "dspark-budget": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
-                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0},
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0},
     "dspark-threshold": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
                                    "speculative_dspark_confidence_threshold": 0.5},
     "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0},
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0},
     "dspark-hybrid": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"], "speculative_dspark_block_cost": 0.0,
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0,
                                 "speculative_ngram_hybrid": True},
 }
 

@@ -102,8 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_chunk(q: torch.Tensor, layer: int, pool: KVPool, chunk: AttentionChunk,   # q: [chunk tokens, heads, head_dim]
-                  scale: float) -> torch.Tensor:
+def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
+                  layer: int, pool: KVPool, chunk: AttentionChunk, scale: float) -> torch.Tensor:
     num_tokens, heads, head_dim = q.shape
     # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
     flat = chunk.gather_slots.view(-1)

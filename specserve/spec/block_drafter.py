@@ -184,7 +184,8 @@ class BlockDrafterProposer(CommittedContext):
             block_cost = drafter.block_row_weights() / target.model.row_weights()
         elif not block_cost >= 0.0:
             raise ValueError(f"--speculative-dspark-block-cost must be >= 0 (a ratio of times), got {block_cost}")
-        return cls(drafter, gamma, cost=startup_cost_table(spec, target), hybrid=hybrid, relative_block_cost=block_cost)
+        return cls(drafter, gamma, cost=startup_cost_table(spec, target), hybrid=hybrid,
+                   relative_block_cost=block_cost)
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
