@@ -74,7 +74,9 @@ class Candidate(NamedTuple):
 
 class RowMeans:
     """Running mean per draft row (row k: the k+1-th draft of a window), each pulled towards a prior
-    as if the prior had been seen `strength` times: how good a proposer has been on one request."""
+    as if the prior had been seen `strength` times: how good a proposer has been on one request. The
+    default prior is even and weighs two observations."""
+    PRIOR, PRIOR_WEIGHT = 0.5, 2.0
 
     def __init__(self) -> None:
         self.sums: list[float] = []
@@ -95,7 +97,7 @@ class RowMeans:
         accepted = min(num_accepted, num_verified)
         self.add([1.0] * accepted + [0.0] * (accepted < num_verified))
 
-    def means(self, rows: int, prior: float, strength: float) -> list[float]:
+    def means(self, rows: int, prior: float = PRIOR, strength: float = PRIOR_WEIGHT) -> list[float]:
         """The estimates of rows 0 .. rows - 1; rows never observed are the prior."""
         observed = [(total + strength * prior) / (count + strength)
                     for total, count in zip(self.sums[:rows], self.counts[:rows])]
@@ -108,8 +110,6 @@ class NgramHybrid:
     verified. N-gram rows are as confident as the request's own n-gram rows have been (a running
     per-row estimate from an even prior): kept per request, so a seeded request samples the same
     tokens whatever runs beside it."""
-    PRIOR, PRIOR_WEIGHT = 0.5, 2.0
-
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.per_request: dict[str, RowMeans] = {}
@@ -118,7 +118,7 @@ class NgramHybrid:
     def lookup(self, req: Request, n: int) -> tuple[list[int], list[float]]:
         drafts = prompt_lookup(req.all_token_ids, self.ngram_min, self.ngram_max, n)
         seen = self.per_request.get(req.request_id) or RowMeans()
-        return drafts, seen.means(len(drafts), self.PRIOR, self.PRIOR_WEIGHT)
+        return drafts, seen.means(len(drafts))
 
     def record(self, plan: StepPlan, result: VerifyResult) -> None:
         for s, res in zip(plan.scheduled, result.per_request):
@@ -250,8 +250,7 @@ class BlockDrafterProposer(CommittedContext):
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
         confidences, if the rows they win pay for the block's own time too, those without a forecast
         yet, and those due to probe."""
-        forecast = {i: self.forecast[req.request_id].means(n, NgramHybrid.PRIOR, NgramHybrid.PRIOR_WEIGHT)
-                    for i, req, n in jobs if req.request_id in self.forecast}
+        forecast = {i: self.forecast[req.request_id].means(n) for i, req, n in jobs if req.request_id in self.forecast}
         window_of = self._budget(plan, forecast) if forecast else {}
         must, may = [], []
         for job in jobs:
