@@ -21,10 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_result  # noqa: E402
-from specserve.bench.data import WORKLOADS, load_workload  # noqa: E402
-from specserve.bench.run import build_record, chat_ids, format_table, messages, plot, run_algorithm, select_prompts  # noqa: E402
+from specserve.bench.run import build_record, format_table, plot, run_algorithm  # noqa: E402
+from specserve.datasets import WORKLOADS, load_workload, messages, select_prompts  # noqa: E402
 from specserve.drafters import EMBEDDED_DSPARK  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
+from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
 BLOCK = 8
@@ -35,12 +36,12 @@ COMPARISON = Path(__file__).resolve().parent / "drafters"
 def configurations(args: argparse.Namespace) -> dict[str, dict]:
     """Label → engine arguments."""
     dspark = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": args.dspark,
-              "speculative_dspark_block_size": BLOCK, "speculative_dspark_confidence_threshold": 0.0}
+              "speculative_block_size": BLOCK, "speculative_dspark_confidence_threshold": 0.0}
     configs = {"none": {}, "dspark": {**dspark, "speculative_ngram_hybrid": True}, "dspark_pure": dspark,
                "ngram": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": BLOCK}}
     if args.dflash:
         configs["dflash"] = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": args.dflash,
-                             "speculative_dspark_block_size": BLOCK}
+                             "speculative_block_size": BLOCK}
     if args.eagle:
         configs["eagle"] = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": args.eagle,
                             "speculative_num_draft_tokens": BLOCK}
@@ -85,7 +86,7 @@ def main() -> None:
                 continue
         llm = LLM(num_threads=args.threads, max_running_requests=args.batch_size, **engine_args)
         workloads = workloads or select_prompts(llm.tokenizer, loaded, args.num_prompts, args.max_prompt_tokens)
-        llm.generate([chat_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))],
+        llm.generate([chat_token_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))],
                      SamplingParams(max_new_tokens=4, temperature=0.0))
         cells[label] = run_algorithm(llm, label, workloads, params, args.batch_size)
         saved.write_bytes(pickle.dumps((settings, cells[label])))

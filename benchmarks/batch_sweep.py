@@ -18,10 +18,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_result  # noqa: E402
-from specserve.bench.data import load_workload  # noqa: E402
-from specserve.bench.run import chat_ids, messages  # noqa: E402
+from specserve.datasets import load_workload, messages  # noqa: E402
 from specserve.drafters import embedded_pair  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
+from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -44,7 +44,7 @@ def sweep(label: str, engine_args: dict, prompts: list[list[int]], batches: tupl
         outs = llm.generate(prompts[:b], params)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.token_ids) for o in outs)
-        verify = sum(o.spec["verify_ct"] for o in outs)
+        verify = sum(o.spec.verify_ct for o in outs)
         rows[b] = {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens, "seconds": round(seconds, 3),
                    "accept_length": round(tokens / verify, 3) if verify else 0.0,
                    "token_ids": [o.token_ids for o in outs]}
@@ -80,7 +80,7 @@ def main() -> None:
     configs = engines()
     tokenizer = LLM(num_threads=args.threads).tokenizer
     conversations = load_workload("sharegpt") + load_workload("mtbench")
-    prompts = [ids for ids in (chat_ids(tokenizer, messages(c[:1], [])) for c in conversations) if len(ids) <= 512]
+    prompts = [ids for ids in (chat_token_ids(tokenizer, messages(c[:1], [])) for c in conversations) if len(ids) <= 512]
     prompts = prompts[:max(batches)]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     results = {label: sweep(label, engine_args, prompts, batches, params, args.threads)

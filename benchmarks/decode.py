@@ -21,7 +21,9 @@ from benchmarks.common import CHAT_PROMPTS as PROMPTS
 from benchmarks.common import write_result
 from specserve.engine import LLM
 from specserve.loader.safetensors import hf_config
+from specserve.loader.tokenizer import chat_token_ids
 from specserve.types import SamplingParams
+
 
 def hf_model(llm: LLM) -> transformers.PreTrainedModel:
     from specserve.loader import load_checkpoint
@@ -32,12 +34,6 @@ def hf_model(llm: LLM) -> transformers.PreTrainedModel:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def time_ours(llm: LLM, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -72,7 +68,7 @@ def main() -> None:
     llm = LLM()
     model = hf_model(llm)
     tokenizer = llm.tokenizer
-    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
+    prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     time_ours(llm, prompts[:1], 8)          # warm-up both
     time_hf(model, tokenizer, prompts[:1], 8)
 

@@ -27,12 +27,13 @@ import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import CHAT_PROMPTS, write_result  # noqa: E402
-from specserve.bench.data import humaneval_prompts  # noqa: E402
+from specserve.datasets import humaneval_prompts  # noqa: E402
 from specserve.drafters import embedded_pair  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
 from specserve.loader import default_model_path, load_checkpoint  # noqa: E402
 from specserve.loader.fetch import fetch_model  # noqa: E402
 from specserve.loader.safetensors import hf_config  # noqa: E402
+from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
 HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -118,17 +119,11 @@ def ours(model_path: str | None, threads: int, **engine_args) -> tuple[LLM, Gene
     return llm, generate
 
 
-def chat(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def smollm2(args: argparse.Namespace) -> dict:
     path = default_model_path()
     rows = {}
     llm, gen = ours(None, args.threads)
-    prompts = [chat(llm.tokenizer, p) for p in CHAT_PROMPTS[:args.num_prompts]]
+    prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:args.num_prompts]]
     eos = [llm.tokenizer.eos_token_id]
     rows["specserve plain"] = measure("specserve plain", prompts, args.max_new_tokens, gen)
     del llm
@@ -161,7 +156,7 @@ def qwen(args: argparse.Namespace) -> dict:
     target, draft = fetch_model("qwen2.5-coder-1.5b"), fetch_model("qwen2.5-coder-0.5b")
     rows = {}
     llm, gen = ours(target, args.threads)
-    prompts = [chat(llm.tokenizer, p) for p in humaneval_prompts(args.qwen_prompts)]
+    prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) for p in humaneval_prompts(args.qwen_prompts)]
     eos = sorted({llm.tokenizer.eos_token_id, *llm.engine.model_config.eos_token_ids})
     rows["specserve plain"] = measure("qwen specserve plain", prompts, args.qwen_new_tokens, gen)
     del llm

@@ -19,10 +19,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import CHAT_PROMPTS, write_result  # noqa: E402
-from specserve.bench.data import load_workload  # noqa: E402
-from specserve.bench.run import chat_ids, messages  # noqa: E402
+from specserve.datasets import load_workload, messages  # noqa: E402
 from specserve.drafters import embedded_pair  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
+from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
 from specserve.types import RequestOutput, SamplingParams, SpecStats  # noqa: E402
 
 SYSTEM = ("You are a helpful, careful assistant working for a small software company. Answer the user's "
@@ -43,7 +43,7 @@ def run_setting(cache: bool, args: argparse.Namespace, mtbench: list, engine_arg
     llm = LLM(num_threads=args.threads, disable_radix_cache=not cache, **engine_args)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     tok = llm.tokenizer
-    llm.generate([chat_ids(tok, [{"role": "user", "content": "Hello"}])], SamplingParams(max_new_tokens=4,
+    llm.generate([chat_token_ids(tok, [{"role": "user", "content": "Hello"}])], SamplingParams(max_new_tokens=4,
                                                                                         temperature=0.0))
     results = {}
     for name in ("mtbench_turn2", "shared_system"):
@@ -51,17 +51,17 @@ def run_setting(cache: bool, args: argparse.Namespace, mtbench: list, engine_arg
         items = mtbench if name == "mtbench_turn2" else CHAT_PROMPTS
         for item in tqdm(items, desc=f"{name} cache {'on' if cache else 'off'}", unit="prompt"):
             if name == "mtbench_turn2":
-                first = llm.generate([chat_ids(tok, messages(item, []))], params)[0]
-                prompt = chat_ids(tok, messages(item, [first.text]))
+                first = llm.generate([chat_token_ids(tok, messages(item, []))], params)[0]
+                prompt = chat_token_ids(tok, messages(item, [first.text]))
             else:
-                prompt = chat_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item}])
+                prompt = chat_token_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item}])
             out, elapsed = timed(llm, prompt, params)
             ttft.append(out.time_to_first_token)
             tokens += len(out.token_ids)
             seconds += elapsed
             texts.append(out.token_ids)
-            stats.merge(SpecStats(out.spec["verify_ct"], out.spec["num_proposed_drafts"],
-                                  out.spec["num_accepted_drafts"], len(out.token_ids)))
+            stats.merge(SpecStats(out.spec.verify_ct, out.spec.num_proposed_drafts,
+                                  out.spec.num_accepted_drafts, len(out.token_ids)))
         results[name] = {"ttft_p50_s": round(statistics.median(ttft), 4), "ttft_mean_s": round(statistics.mean(ttft), 4),
                          "tokens_per_s": round(tokens / seconds, 2), "accept_length": round(stats.accept_length, 3),
                          "prompts": len(items), "texts": texts}

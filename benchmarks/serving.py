@@ -32,6 +32,7 @@ import openai
 from benchmarks.common import CHAT_PROMPTS as PROMPTS
 from benchmarks.common import write_result
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

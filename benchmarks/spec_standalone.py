@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import write_result
-from specserve.bench.data import humaneval_prompts
+from specserve.datasets import humaneval_prompts
 from specserve.engine import LLM
 from specserve.types import SamplingParams
 
@@ -37,7 +37,7 @@ def run(prompts: list[str], new_tokens: int, desc: str, **engine_args) -> dict:
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
         texts.append(out.token_ids)
-        verify_ct += out.spec["verify_ct"]
+        verify_ct += out.spec.verify_ct
         emitted += len(out.token_ids)
     del llm
     gc.collect()

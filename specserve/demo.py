@@ -41,7 +41,7 @@ def main() -> int:
     print(out.text.strip() + "\n")
     for name, o, seconds in (("DSPARK", out, spec_s), ("plain ", plain_out, plain_s)):
         print(f"{name}: {len(o.token_ids)} tokens in {seconds:.2f} s = {len(o.token_ids) / seconds:6.1f} tokens/s, "
-              f"acceptance length {o.spec['accept_length']:.2f}")
+              f"acceptance length {o.spec.accept_length:.2f}")
     print(f"speedup: {plain_s / spec_s * len(out.token_ids) / len(plain_out.token_ids):.2f}x; "
           f"same text as plain decoding: {out.token_ids == plain_out.token_ids}")
     return 0

@@ -1,8 +1,14 @@
-"""The engine: each step is schedule → propose → target forward → verify → commit, and only
-`commit` mutates request state. `LLM` is the offline front door."""
+"""The engine: each step is schedule → propose → target forward → verify → commit. `LLM` is the
+offline front door.
+
+"Only commit mutates" means: the forward and the verifier return new values and touch no request,
+and `commit` alone appends tokens, advances the committed length, finishes requests and hands the
+step's hidden states to the proposer. Two other stages keep state of their own: the scheduler
+admits, pages and preempts requests (their pages and status), and a proposer keeps per-request
+drafting state in `propose` (a draft model's KV position, DSPARK's confidence forecast), which
+`commit` and `release` settle."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -11,21 +17,19 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specserve.config import EngineConfig, engine_config
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, load_checkpoint
-from specserve.models import ARCHITECTURES
+from specserve.loader.tokenizer import chat_token_ids
+from specserve.models import ARCHITECTURES, DTYPES
 from specserve.radix_cache import RadixCache
 from specserve.runner import ForwardOutput, ModelRunner
 from specserve.scheduler import Scheduler
-from specserve.spec import TargetInfo, build_proposer
-from specserve.spec.verify import verify
-from specserve.types import (Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan,
-                             VerifyResult)
+from specserve.speculative import TargetInfo, build_proposer
+from specserve.speculative.verify import verify
+from specserve.types import Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan, VerifyResult
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -42,13 +46,13 @@ class Engine:
         self.tokenizer = ckpt.tokenizer
         self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype)
 
-        self.proposer = build_proposer(self._with_saved_cost_table(config, checkpoint),
-                                       TargetInfo(self.model, ckpt.config, self.tokenizer, dtype), draft_checkpoint)
+        cache = config.cache
+        target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size)
+        self.proposer = build_proposer(config.spec, target, draft_checkpoint)
 
         geometries = [KVGeometry.of(ckpt.config, dtype)]
-        if self.proposer is not None and self.proposer.kv_geometry is not None:
+        if self.proposer.kv_geometry is not None:
             geometries.append(self.proposer.kv_geometry)
-        cache = config.cache
         num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, geometries)
         self.allocator = PageAllocator(num_pages)
         self.pool = KVPool(geometries[0], num_pages, cache.page_size)
@@ -57,15 +61,13 @@ class Engine:
         if self.draft_pool is not None:
             log_pool("draft", self.draft_pool)
             self.proposer.attach_pool(self.draft_pool)
-        aux_layers = self.proposer.aux_layer_ids if self.proposer is not None else ()
-        self.runner = ModelRunner(self.model, self.pool, aux_layers)
+        self.runner = ModelRunner(self.model, self.pool, self.proposer.aux_layer_ids)
 
         self.max_model_len = min(config.scheduler.max_model_len or ckpt.config.max_position_embeddings,
                                  ckpt.config.max_position_embeddings, num_pages * cache.page_size)
-        draft_slots = self.proposer.draft_slots if self.proposer is not None else (lambda req: 0)
         self.prefix_cache = None if cache.disable_radix_cache else RadixCache(self.allocator, cache.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len, draft_slots,
-                                   self.prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size, self.max_model_len,
+                                   self.proposer.draft_slots, self.prefix_cache)
         self.eos_token_ids = set(ckpt.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -73,17 +75,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
-
-    @staticmethod
-    def _with_saved_cost_table(config: EngineConfig, checkpoint: LoadedCheckpoint | None) -> SpecConfig:
-        """DSPARK's budget planner uses the table `specserve profile` saved for this model, if any."""
-        spec = config.spec
-        if (checkpoint is not None or spec.algorithm.upper() != "DSPARK" or spec.dspark_cost_table_path
-                or spec.dspark_confidence_threshold is not None):
-            return spec
-        from specserve.profile import default_cost_table_path, model_key
-        saved = default_cost_table_path(model_key(config.model_path), config.dtype)
-        return dataclasses.replace(spec, dspark_cost_table_path=str(saved)) if saved.is_file() else spec
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
@@ -97,7 +88,8 @@ class Engine:
             token_ids, text = list(prompt), None
             bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -113,9 +105,7 @@ class Engine:
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return chat_token_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -134,12 +124,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        if self.proposer is None:
-            proposal = Proposal.none(len(plan.scheduled))
-        else:
-            for req in plan.preempted:
-                self.proposer.release(req)
-            proposal = self.proposer.propose(plan)
+        for req in plan.preempted:
+            self.proposer.release(req)
+        proposal = self.proposer.propose(plan)
         out = self.runner.forward(plan, proposal)
         result = verify(out.logits, plan, proposal, self.generator)
         return self.commit(plan, proposal, result, out)
@@ -162,8 +149,7 @@ class Engine:
             outputs.append(self.output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        if self.proposer is not None:
-            self.proposer.commit(plan, result, out)
+        self.proposer.commit(plan, result, out)
         for sched in plan.scheduled:
             # A finished prefill is cached at once, so requests running beside it share it too.
             req = sched.request
@@ -196,17 +182,14 @@ class Engine:
         """Insert the request's whole pages whose target KV and draft context are both written."""
         if self.prefix_cache is None or not req.pages:
             return
-        valid = req.num_computed_tokens
-        if self.proposer is not None:
-            valid = min(valid, self.proposer.context_length(req))
+        valid = min(req.num_computed_tokens, self.proposer.context_length(req))
         num_pages = valid // self.pool.page_size
         self.prefix_cache.insert(req.all_token_ids[:num_pages * self.pool.page_size], req.pages[:num_pages])
 
     def _finish(self, req: Request, reason: str) -> None:
         self._cache_prefix(req)
         self.scheduler.finish(req, reason)
-        if self.proposer is not None:
-            self.proposer.release(req)
+        self.proposer.release(req)
 
     def _hit_stop_string(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
@@ -226,27 +209,8 @@ class Engine:
             token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
             logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
             top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
-            spec=req.stats.as_dict(), num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
+            spec=req.stats.copy(), num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
             time_to_first_token=(req.first_token_time - req.arrival_time) if req.first_token_time else None)
-
-
-def engine_config(model_path: str | None = None, **kwargs) -> EngineConfig:
-    """Flat keyword arguments (as on the command line) → nested EngineConfig. `speculative_*` names
-    map onto SpecConfig, the rest onto whichever config owns a field of that name."""
-    sections: dict[str, dict] = {"cache": {}, "scheduler": {}, "spec": {}}
-    owners = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
-    top = {"model_path": model_path}
-    top_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    for key, value in kwargs.items():
-        name = key.removeprefix("speculative_")
-        owner = next((s for s, cls in owners.items() if name in {f.name for f in dataclasses.fields(cls)}), None)
-        if owner is not None:
-            sections[owner][name] = value
-        elif key in top_fields and key not in owners:
-            top[key] = value
-        else:
-            raise TypeError(f"unknown engine argument {key!r}")
-    return EngineConfig(**top, **{s: owners[s](**v) for s, v in sections.items()})
 
 
 class LLM:

@@ -41,5 +41,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
         hidden, aux = self.model.forward(torch.tensor(tokens), torch.tensor(positions), meta, self.pool,
                                          self.aux_layer_ids)
-        logits = self.model.logits(hidden[logit_rows]) if logit_rows else hidden.new_zeros(0, self.model.config.vocab_size)
+        if logit_rows:
+            logits = self.model.logits(hidden[logit_rows])
+        else:
+            logits = hidden.new_zeros(0, self.model.config.vocab_size)
         return ForwardOutput(logits, hidden, aux, offsets)

@@ -96,6 +96,10 @@ class SpecStats:
             self.accepted_histogram.extend([0] * (num_accepted + 1 - len(self.accepted_histogram)))
         self.accepted_histogram[num_accepted] += 1
 
+    def copy(self) -> SpecStats:
+        return SpecStats(self.verify_ct, self.num_proposed_drafts, self.num_accepted_drafts, self.num_emitted_tokens,
+                         list(self.accepted_histogram))
+
     def merge(self, other: SpecStats) -> None:
         self.verify_ct += other.verify_ct
         self.num_proposed_drafts += other.num_proposed_drafts
@@ -208,7 +212,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
-    spec: dict | None = None
+    spec: SpecStats = field(default_factory=SpecStats)    # this request's speculation so far
     num_preemptions: int = 0
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache
     time_to_first_token: float | None = None

@@ -11,13 +11,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from safetensors.torch import save_file
-
 from specserve.config import ModelConfig
+from specserve.engine import LLM
 from specserve.loader import LoadedCheckpoint
 from specserve.loader.safetensors import hf_config
+from specserve.train.data import Example
+from specserve.types import SamplingParams
 
 # Tiny-model ops are dominated by thread handoff: one thread is ~100x faster when the machine is busy.
 torch.set_num_threads(1)
@@ -80,3 +82,14 @@ def tiny_llama() -> LoadedCheckpoint:
 @pytest.fixture(scope="session")
 def tiny_qwen() -> LoadedCheckpoint:
     return tiny_checkpoint("qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_answers(tiny_llama) -> list[Example]:
+    """The tiny target's own greedy answers to random prompts (drafter training data)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 10, (40,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    llm = LLM(checkpoint=tiny_llama, dtype="float64", page_size=4, num_pages=256)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32))
+    return [Example(f"e{i}", p, o.token_ids) for i, (p, o) in enumerate(zip(prompts, outs))]

@@ -3,17 +3,23 @@ every free KV page with NaN first), capture the target's K/V of each request's c
 when it finishes, and check that pages, refcounts and proposer state add up."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import random
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import LLM, Engine
 from specserve.kv_pages import KVPool, slots_for
 from specserve.loader import LoadedCheckpoint
-from specserve.types import Request, RequestOutput, SamplingParams, SpecStats
+from specserve.models.eagle import EagleCheckpoint, random_eagle
+from specserve.types import Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan
 
 ENGINE_DEFAULTS = {"dtype": "float64", "page_size": 4, "num_pages": 256}
 
@@ -155,15 +161,15 @@ def assert_stats_consistent(run_: Run, max_drafts: int) -> None:
     total = SpecStats()
     for out in run_.outputs:
         s = out.spec
-        hist = s["accepted_histogram"]
-        assert sum(hist) == s["verify_ct"]
-        assert sum(k * n for k, n in enumerate(hist)) == s["num_accepted_drafts"]
-        assert s["num_accepted_drafts"] <= s["num_proposed_drafts"] <= max_drafts * s["verify_ct"]
+        hist = s.accepted_histogram
+        assert sum(hist) == s.verify_ct
+        assert sum(k * n for k, n in enumerate(hist)) == s.num_accepted_drafts
+        assert s.num_accepted_drafts <= s.num_proposed_drafts <= max_drafts * s.verify_ct
         assert len(hist) <= max_drafts + 1
-        assert s["accept_length"] == round(len(out.token_ids) / s["verify_ct"], 4)
-        total.merge(SpecStats(s["verify_ct"], s["num_proposed_drafts"], s["num_accepted_drafts"],
-                              len(out.token_ids), hist))
-    assert run_.engine.stats.as_dict() == total.as_dict()
+        assert s.num_emitted_tokens == len(out.token_ids)
+        assert s.accept_length == len(out.token_ids) / s.verify_ct
+        total.merge(s)
+    assert run_.engine.stats == total
 
 
 SAMPLED = [SamplingParams(temperature=0.8, top_k=5, seed=100 + i, max_new_tokens=12, ignore_eos=True, logprobs=True,
@@ -186,7 +192,7 @@ def assert_sampled_batch_valid(ckpt: LoadedCheckpoint, prompts: Sequence[Sequenc
 
 
 def mean_accept_length(run_: Run) -> float:
-    return sum(len(o.token_ids) for o in run_.outputs) / sum(o.spec["verify_ct"] for o in run_.outputs)
+    return sum(len(o.token_ids) for o in run_.outputs) / sum(o.spec.verify_ct for o in run_.outputs)
 
 
 # ---- drafters built from a target checkpoint ------------------------------------------------------
@@ -209,3 +215,140 @@ def shifted_head(target: LoadedCheckpoint) -> LoadedCheckpoint:
     config = dataclasses.replace(c, tie_word_embeddings=False, name=f"{c.name}-shifted")
     return LoadedCheckpoint(config, {**target.weights, "lm_head.weight": head.roll(1, dims=0)}, target.tokenizer,
                             f"{target.source}-shifted")
+
+
+# ---- recording proposals ---------------------------------------------------------------------------
+
+def record_proposals(engine: Engine) -> list[tuple[StepPlan, list[list[int]], Proposal]]:
+    """The plan, the tokens of each scheduled request and the proposal of every step from now on."""
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(plan: StepPlan) -> Proposal:
+        proposal = propose(plan)
+        seen.append((plan, [s.request.all_token_ids for s in plan.scheduled], proposal))
+        return proposal
+
+    engine.proposer.propose = recording
+    return seen
+
+
+# ---- EAGLE heads ------------------------------------------------------------------------------------
+
+def programmed_head(target: LoadedCheckpoint, feature_scale: float = 0.0) -> EagleCheckpoint:
+    """A head that is the target's first layer and final norm: `input_proj` passes the token embedding
+    through, plus `feature_scale` times a random map of the feature. At scale 0 it drafts what
+    first_layers(target, 1) would; a small scale keeps it agreeing while the features still count."""
+    ckpt = random_eagle(target.config, seed=3, dtype=torch.float64)
+    w, h = ckpt.weights, target.config.hidden_size
+    for name in w:
+        if name.startswith("model.layers.0.") or name == "model.norm.weight":
+            w[name] = target.weights[name].clone()
+    w["input_proj.weight"][:, :h] = torch.eye(h, dtype=torch.float64)
+    w["input_proj.weight"][:, h:] *= feature_scale
+    return ckpt
+
+
+def eagle_kwargs(ckpt: EagleCheckpoint) -> dict:
+    """Engine arguments for `ckpt`, saved to a temporary folder removed at exit (for CASES)."""
+    folder = tempfile.mkdtemp(prefix="eagle-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    ckpt.save(folder)
+    return {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": folder}
+
+
+# ---- the lossless matrix ---------------------------------------------------------------------------
+
+# The proposers of the lossless matrix (test_spec_lossless.py): name → (engine kwargs for a target checkpoint, the
+# mean accept length it must reach at K=8, batch 4). A new proposer joins every test by adding itself here.
+LOSSLESS_CASES = {
+    "ngram": (lambda target: {"speculative_algorithm": "NGRAM"}, 1.5),
+    "standalone-agree": (lambda target: {"speculative_algorithm": "STANDALONE",
+                                         "draft": first_layers(target, 1)}, 2.0),
+    "standalone-disagree": (lambda target: {"speculative_algorithm": "STANDALONE",
+                                            "draft": shifted_head(target)}, None),
+    "eagle": (lambda target: eagle_kwargs(programmed_head(target, feature_scale=0.03)), 2.0),
+}
+KS = [1, 2, 4, 5, 8, 16]
+BATCHES = [1, 4, 16]
+MATRIX_ENGINE = {"max_num_batched_tokens": 64}   # batch 16 prefills in chunks and is budget-bound
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts, every other one a repeated phrase so n-gram lookup finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            phrase = [rng.randrange(256) for _ in range(rng.randrange(2, 6))]
+            prompts.append(phrase * rng.randrange(2, 6) + [rng.randrange(256)])
+        else:
+            prompts.append([rng.randrange(256) for _ in range(rng.randrange(1, 40))])
+    return prompts
+
+
+PROMPTS = make_prompts(16)
+GREEDY = [SamplingParams(temperature=0.0, max_new_tokens=8 + 7 * i % 25, ignore_eos=True, logprobs=True,
+                         top_logprobs=2) for i in range(16)]
+
+
+# Block drafters by configuration: name → engine kwargs given the drafter folders of a test module.
+BLOCK_CASES = {
+    "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
+    # By weights a tiny drafter's row costs a large part of a tiny target row (the agreeing drafter has a
+    # Markov rank per memorised transition). These cases are about windows, so their blocks are free;
+    # the block's cost has its own tests.
+    "dspark-budget": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0},
+    "dspark-threshold": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
+                                   "speculative_dspark_confidence_threshold": 0.5},
+    "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0},
+    "dspark-hybrid": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
+                                "speculative_dspark_cost_table_path": d["cost.json"],
+                                "speculative_dspark_block_cost": 0.0,
+                                "speculative_ngram_hybrid": True},
+}
+
+
+# ---- block drafter context -------------------------------------------------------------------------
+
+def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """At each request's finish: the tokens its draft context covers and that context's K and V."""
+    captured = {}
+    finish = engine.scheduler.finish
+
+    def capturing(req: Request, reason: str) -> None:
+        n = engine.proposer.context_length(req)
+        if req.pages and n:
+            slots = torch.tensor(slots_for(req.pages, 0, n, engine.draft_pool.page_size))
+            captured[req.request_id] = (req.all_token_ids[:n], engine.draft_pool.k[:, slots].clone(),
+                                        engine.draft_pool.v[:, slots].clone())
+        finish(req, reason)
+
+    engine.scheduler.finish = capturing
+    return captured
+
+
+def reference_context(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft context of `tokens` from one target prefill over all of them, in scratch pools."""
+    n, page_size = len(tokens), 4
+    pages = list(range(-(-n // page_size)))
+    target_pool = KVPool(engine.pool.geometry, len(pages), page_size)
+    meta = AttentionMetadata.build([SeqSpan(pages, 0, n)], page_size, target_pool.null_slot)
+    _, aux = engine.model.forward(torch.tensor(tokens), torch.arange(n), meta, target_pool,
+                                  engine.proposer.aux_layer_ids)
+    pool = KVPool(engine.draft_pool.geometry, len(pages), page_size)
+    slots = torch.tensor(slots_for(pages, 0, n, page_size))
+    engine.proposer.drafter.write_context(torch.cat(aux, dim=-1), torch.arange(n), slots, pool)
+    return pool.k[:, slots], pool.v[:, slots]
+
+
+def assert_draft_context_exact(engine: Engine, captured) -> None:
+    assert captured, "no request finished with a draft context"
+    for tokens, k, v in captured.values():
+        want_k, want_v = reference_context(engine, tokens)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=1e-9)
+        torch.testing.assert_close(v, want_v, rtol=0, atol=1e-9)

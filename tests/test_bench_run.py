@@ -5,8 +5,17 @@ import json
 import pytest
 import torch
 
-from specserve.bench.run import (Cell, acceptance_by_position, build_record, drafter_paths, format_table, messages,
-                                 plot, run_batch, select_prompts)
+from specserve.bench.run import (
+    Cell,
+    acceptance_by_position,
+    build_record,
+    drafter_paths,
+    format_table,
+    messages,
+    plot,
+    run_batch,
+    select_prompts,
+)
 from specserve.cli import main
 from specserve.engine import LLM
 from specserve.types import SamplingParams, SpecStats

@@ -11,14 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
-from specserve.engine import Engine
 from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.models import LlamaModel
-from specserve.models.block_drafter import (BlockDrafter, BlockDrafterCheckpoint, random_block_drafter,
-                                            weight_shapes)
+from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, random_block_drafter, weight_shapes
 from specserve.models.layers import Rope, apply_rope, rms_norm
 from specserve.types import Proposal, SamplingParams, StepPlan
-from tests.spec_harness import make_engine, run
+from tests.spec_harness import make_engine, record_proposals, run
 
 
 def edit(ckpt: BlockDrafterCheckpoint, **config) -> BlockDrafterCheckpoint:
@@ -28,20 +26,6 @@ def edit(ckpt: BlockDrafterCheckpoint, **config) -> BlockDrafterCheckpoint:
 def save(ckpt: BlockDrafterCheckpoint, folder) -> str:
     ckpt.save(folder)
     return str(folder)
-
-
-def record_proposals(engine: Engine) -> list[tuple[StepPlan, list[list[int]], Proposal]]:
-    """The plan, the tokens of each scheduled request and the proposal of every step from now on."""
-    seen = []
-    propose = engine.proposer.propose
-
-    def recording(plan: StepPlan) -> Proposal:
-        proposal = propose(plan)
-        seen.append((plan, [s.request.all_token_ids for s in plan.scheduled], proposal))
-        return proposal
-
-    engine.proposer.propose = recording
-    return seen
 
 
 def drafted(seen: list[tuple[StepPlan, list[list[int]], Proposal]]) -> list[tuple[int, tuple[int, ...]]]:
@@ -117,7 +101,7 @@ def test_engine_drafts_are_the_dense_drafters_argmax(tiny_llama, target, tmp_pat
     ckpt = random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, token_map=token_map, seed=4,
                                 dtype=torch.float64)
     engine = make_engine(tiny_llama, speculative_algorithm="DFLASH", speculative_draft_model_path=save(ckpt, tmp_path),
-                         speculative_dspark_block_size=6, max_num_batched_tokens=16)
+                         speculative_block_size=6, max_num_batched_tokens=16)
     seen = record_proposals(engine)
     for prompt in ([3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [250], [100, 101, 7]):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
@@ -188,7 +172,7 @@ def successor_markov(ckpt: BlockDrafterCheckpoint, scale: float = 1e6) -> BlockD
 def test_markov_head_is_applied_row_by_row_with_the_drafted_previous_token(tiny_llama, tmp_path, temperature):
     ckpt = successor_markov(random_block_drafter(tiny_llama.config, markov_rank=2, block_size=8, dtype=torch.float64))
     engine = make_engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=save(ckpt, tmp_path),
-                         speculative_dspark_block_size=6, speculative_dspark_confidence_threshold=0.0)
+                         speculative_block_size=6, speculative_dspark_confidence_threshold=0.0)
     seen = record_proposals(engine)
     vocab = tiny_llama.config.vocab_size
     for prompt in ([3, 4, 5], [250], [100, 101]):
@@ -205,7 +189,7 @@ def test_without_the_markov_term_the_same_weights_draft_otherwise(tiny_llama, tm
     """Control for the test above: the chain comes from the Markov head, not from the base drafter."""
     ckpt = random_block_drafter(tiny_llama.config, markov_rank=2, block_size=8, dtype=torch.float64)
     engine = make_engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=save(ckpt, tmp_path),
-                         speculative_dspark_block_size=6, speculative_dspark_confidence_threshold=0.0)
+                         speculative_block_size=6, speculative_dspark_confidence_threshold=0.0)
     seen = record_proposals(engine)
     engine.add_request([3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     while engine.has_unfinished:
@@ -288,7 +272,7 @@ MISMATCHES = {
                      {"speculative_algorithm": "DFLASH"}, "no token map"),
     "token map size": (lambda c: BlockDrafterCheckpoint(c.config, {**c.weights, "token_map": torch.arange(5)}), {},
                        "token map must hold 257"),
-    "block size": (lambda c: c, {"speculative_dspark_block_size": 17}, r"block-size must be in \[1, 16\]"),
+    "block size": (lambda c: c, {"speculative_block_size": 17}, r"block-size must be in \[1, 16\]"),
     "threshold": (lambda c: c, {"speculative_dspark_confidence_threshold": 1.5}, "threshold must be in"),
 }
 
@@ -326,9 +310,9 @@ def test_dflash_verifies_the_whole_block(tiny_llama, tmp_path):
     ckpt = random_block_drafter(tiny_llama.config, "DFLASH", block_size=8, dtype=torch.float64)
     folder = save(ckpt, tmp_path)
     out = run(tiny_llama, [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True),
-              speculative_algorithm="DFLASH", speculative_draft_model_path=folder, speculative_dspark_block_size=5)
+              speculative_algorithm="DFLASH", speculative_draft_model_path=folder, speculative_block_size=5)
     s = out.outputs[0].spec
     # Nothing accepted, so step j (j - 1 tokens out) verifies min(5, tokens still allowed after its bonus)
     # drafts, except step 1, which has no draft context yet.
-    assert s["verify_ct"] == 30
-    assert s["num_proposed_drafts"] == sum(min(5, 30 - j) for j in range(2, 31))
+    assert s.verify_ct == 30
+    assert s.num_proposed_drafts == sum(min(5, 30 - j) for j in range(2, 31))

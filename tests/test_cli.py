@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from specserve import drafters
-from specserve.cli import build_parser, engine_kwargs, main, with_shipped_drafter
+from specserve.cli import main, parse_args
+from specserve.config import engine_kwargs
+from specserve.drafters import with_shipped_drafter
 from tests.conftest import save_hf_folder, tiny_checkpoint
 
 
@@ -54,7 +56,7 @@ def test_corrupt_model_file_is_a_clear_error(tmp_path):
 
 
 def serve_kwargs(*argv: str) -> dict:
-    args = build_parser().parse_args(["serve", *argv])
+    args = parse_args(["serve", *argv])
     return with_shipped_drafter(engine_kwargs(args))
 
 
@@ -70,6 +72,24 @@ def test_serve_defaults_to_the_embedded_dspark_pair(monkeypatch, tmp_path):
     assert serve_kwargs("--speculative-algorithm", "NONE")["speculative_algorithm"] == "NONE"
     other = serve_kwargs("--model-path", "other.gguf")
     assert other["speculative_algorithm"] == "NONE" and other["speculative_draft_model_path"] is None
-    assert build_parser().parse_args(["serve", "--disable-radix-cache"]).disable_radix_cache
+    assert parse_args(["serve", "--disable-radix-cache"]).disable_radix_cache
     monkeypatch.setattr(drafters, "EMBEDDED_DSPARK", tmp_path / "absent")
     assert serve_kwargs()["speculative_algorithm"] == "NONE"
+
+
+def test_profile_args_parse():
+    args = parse_args(["profile", "--rows", "1", "8", "--repeats", "2", "--out", "x.json", "--threads", "1"])
+    assert (args.rows, args.repeats, args.out, args.num_threads, args.page_size) == ([1, 8], 2, "x.json", 1, 16)
+    assert args.model_path is None and args.dtype == "float32"
+
+
+def test_a_command_imports_only_its_own_modules():
+    """`generate --help` parses without the server, the trainer or the benchmark being imported."""
+    code = ("import sys\nfrom specserve.cli import parse_args\n"
+            "try:\n    parse_args(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('specserve.train', 'specserve.server', "
+            "'specserve.bench', 'specserve.engine'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert "--speculative-block-size" in proc.stdout and "--max-new-tokens" in proc.stdout

@@ -9,7 +9,7 @@ import torch
 from specserve import sampling
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.kv_pages import KVPool
-from specserve.spec.draft_model import DraftModelProposer
+from specserve.speculative.draft_model import DraftModelProposer
 from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
 from tests.conftest import save_hf_folder
 from tests.spec_harness import first_layers, make_engine, run
@@ -121,7 +121,7 @@ def test_qwen_target_with_a_drafter_of_its_first_layer_is_lossless(tiny_qwen):
     spec = run(tiny_qwen, prompts, params, draft=first_layers(tiny_qwen, 1), poison=True,
                speculative_num_draft_tokens=4, **STANDALONE)
     assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
-    assert sum(o.spec["num_accepted_drafts"] for o in spec.outputs) > 0
+    assert sum(o.spec.num_accepted_drafts for o in spec.outputs) > 0
 
 
 def test_drafter_with_a_shorter_context_drafts_at_the_targets_positions(tiny_llama):

@@ -3,11 +3,8 @@ drafts against a from-scratch recomputation through chunked prefill, acceptance 
 head programmed as the target's first layer drafting exactly what that layer alone would."""
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -19,34 +16,20 @@ from specserve.loader import LoadedCheckpoint, ModelLoadError
 from specserve.models import LlamaModel
 from specserve.models.block_drafter import random_block_drafter
 from specserve.models.eagle import EagleCheckpoint, EagleDrafter, random_eagle, weight_shapes
-from specserve.spec.draft_model import choose_drafts
+from specserve.speculative import DraftJob
+from specserve.speculative.draft_model import choose_drafts
 from specserve.types import Request, SamplingParams
-from tests.spec_harness import assert_consistent, first_layers, make_engine, poison_free_pages
-from tests.test_block_drafter import record_proposals
+from tests.spec_harness import (
+    assert_consistent,
+    eagle_kwargs,
+    first_layers,
+    make_engine,
+    poison_free_pages,
+    programmed_head,
+    record_proposals,
+)
 
 PAGE = 4
-
-
-def programmed_head(target: LoadedCheckpoint, feature_scale: float = 0.0) -> EagleCheckpoint:
-    """A head that is the target's first layer and final norm: `input_proj` passes the token embedding
-    through, plus `feature_scale` times a random map of the feature. At scale 0 it drafts what
-    first_layers(target, 1) would; a small scale keeps it agreeing while the features still count."""
-    ckpt = random_eagle(target.config, seed=3, dtype=torch.float64)
-    w, h = ckpt.weights, target.config.hidden_size
-    for name in w:
-        if name.startswith("model.layers.0.") or name == "model.norm.weight":
-            w[name] = target.weights[name].clone()
-    w["input_proj.weight"][:, :h] = torch.eye(h, dtype=torch.float64)
-    w["input_proj.weight"][:, h:] *= feature_scale
-    return ckpt
-
-
-def eagle_kwargs(ckpt: EagleCheckpoint) -> dict:
-    """Engine arguments for `ckpt`, saved to a temporary folder removed at exit (for CASES)."""
-    folder = tempfile.mkdtemp(prefix="eagle-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    ckpt.save(folder)
-    return {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": folder}
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +183,7 @@ def reference_drafts(engine: Engine, req: Request, tokens: list[int], n: int) ->
         meta = AttentionMetadata.build([SeqSpan(pages, start, len(rows))], PAGE, pool.null_slot)
         residual, logits = drafter.forward(torch.tensor(rows), features, torch.arange(start, start + len(rows)),
                                            meta, pool)
-        choose_drafts([(0, state, n)], logits[-1:], drafts, probs, torch.Generator())
+        choose_drafts([DraftJob(0, state, n)], logits[-1:], drafts, probs, torch.Generator())
         start += len(rows)
         rows, features = [drafts[0][-1]], residual[-1:]
     return drafts[0], probs[0]
@@ -244,7 +227,7 @@ def test_drafts_equal_a_recomputation_from_scratch(tiny_llama):
                 torch.testing.assert_close(q, torch.stack(want_q), rtol=0, atol=1e-9)
             checked += 1
     assert checked > 30
-    assert sum(o.spec["num_accepted_drafts"] for o in outputs.values()) > 10
+    assert sum(o.spec.num_accepted_drafts for o in outputs.values()) > 10
 
 
 def first_layer_continuation(target: LoadedCheckpoint, tokens: list[int], n: int) -> list[int]:

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from specserve.engine import LLM, Engine, engine_config
+from specserve.engine import LLM, Engine
 from specserve.types import SamplingParams
 from tests.spec_harness import assert_pages_released
 
@@ -154,11 +154,3 @@ def test_bad_prompts_raise_clear_errors(tiny_llama, bad, message):
 def test_bad_sampling_params_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
-
-
-def test_engine_config_maps_flat_arguments():
-    cfg = engine_config("m.gguf", page_size=8, max_running_requests=3, speculative_algorithm="NGRAM", dtype="float64")
-    assert (cfg.model_path, cfg.cache.page_size, cfg.scheduler.max_running_requests, cfg.spec.algorithm,
-            cfg.dtype) == ("m.gguf", 8, 3, "NGRAM", "float64")
-    with pytest.raises(TypeError, match="unknown engine argument 'bogus'"):
-        engine_config(bogus=1)

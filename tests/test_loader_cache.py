@@ -6,7 +6,7 @@ import torch
 
 import specserve.loader.cache as cache
 from specserve.loader import load_checkpoint
-from tests.test_loader_gguf import make_tiny_gguf
+from tests.gguf_writer import make_tiny_gguf
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.train.losses import (LossWeights, acceptance, block_loss, fit_temperatures, row_weights,
-                                    valid_rows)
+from specserve.train.losses import LossWeights, acceptance, block_loss, fit_temperatures, row_weights, valid_rows
 
 
 def random_block(n: int = 3, g: int = 5, v: int = 7, seed: int = 0):

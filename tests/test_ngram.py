@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specserve.engine import LLM
-from specserve.spec.ngram import NgramProposer, prompt_lookup
+from specserve.speculative.ngram import NgramProposer, prompt_lookup
 from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
 
 
@@ -75,4 +75,4 @@ def test_repetitive_text_is_drafted_and_accepted(tiny_llama):
     out = LLM(checkpoint=tiny_llama, dtype="float64", num_pages=64, speculative_algorithm="NGRAM",
               speculative_num_draft_tokens=8).generate([[3, 1, 4, 1, 5]], params)[0]
     assert out.token_ids == plain.token_ids
-    assert out.spec["accept_length"] > 2 and out.spec["num_accepted_drafts"] > 0
+    assert out.spec.accept_length > 2 and out.spec.num_accepted_drafts > 0

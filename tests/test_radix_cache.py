@@ -11,13 +11,18 @@ from hypothesis import strategies as st
 from specserve.kv_pages import PageAllocator
 from specserve.models.block_drafter import random_block_drafter
 from specserve.radix_cache import RadixCache
-from specserve.spec.budget import CostTable
+from specserve.speculative.cost_table import CostTable
 from specserve.types import SamplingParams
-from tests.spec_harness import assert_pages_released, drive, make_engine
-from tests.test_block_drafter import record_proposals
-from tests.test_spec_block_drafter import CASES as BLOCK_CASES
-from tests.test_spec_block_drafter import assert_draft_context_exact, capture_draft_context
-from tests.test_spec_lossless import CASES as LOSSLESS_CASES
+from tests.spec_harness import (
+    BLOCK_CASES,
+    LOSSLESS_CASES,
+    assert_draft_context_exact,
+    assert_pages_released,
+    capture_draft_context,
+    drive,
+    make_engine,
+    record_proposals,
+)
 
 PAGE = 4
 
@@ -158,7 +163,7 @@ ALGORITHMS = {
 
 
 def engine_for(tiny_llama, drafters, algorithm: str, **kw):
-    args = {**ALGORITHMS[algorithm](tiny_llama, drafters), "max_running_requests": 2, "speculative_dspark_block_size": 4,
+    args = {**ALGORITHMS[algorithm](tiny_llama, drafters), "max_running_requests": 2, "speculative_block_size": 4,
             **kw}
     return make_engine(tiny_llama, args.pop("draft", None), **args)
 

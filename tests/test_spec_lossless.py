@@ -1,10 +1,9 @@
 """Speculation must not change what the engine emits: the matrix of algorithms × K × batch against
 plain decoding (tokens, logprobs, target KV), with free pages poisoned, plus preemption, sampled
-runs and a randomized page-leak test. A new proposer joins every test by adding itself to CASES."""
+runs and a randomized page-leak test. A new proposer joins every test by adding itself to LOSSLESS_CASES."""
 from __future__ import annotations
 
 import functools
-import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,51 +11,24 @@ from hypothesis import strategies as st
 
 from specserve.types import SamplingParams
 from tests.spec_harness import (
+    BATCHES,
+    GREEDY,
+    KS,
+    LOSSLESS_CASES,
+    MATRIX_ENGINE,
+    PROMPTS,
     SAMPLED,
     Run,
     assert_pages_released,
     assert_same_as_plain,
     assert_sampled_batch_valid,
     assert_stats_consistent,
-    first_layers,
     make_engine,
+    make_prompts,
     mean_accept_length,
     replay_traffic,
     run,
-    shifted_head,
 )
-from tests.test_eagle import eagle_kwargs, programmed_head
-
-# name → (engine kwargs for a target checkpoint, the mean accept length it must reach at K=8, batch 4)
-CASES = {
-    "ngram": (lambda target: {"speculative_algorithm": "NGRAM"}, 1.5),
-    "standalone-agree": (lambda target: {"speculative_algorithm": "STANDALONE",
-                                         "draft": first_layers(target, 1)}, 2.0),
-    "standalone-disagree": (lambda target: {"speculative_algorithm": "STANDALONE",
-                                            "draft": shifted_head(target)}, None),
-    "eagle": (lambda target: eagle_kwargs(programmed_head(target, feature_scale=0.03)), 2.0),
-}
-KS = [1, 2, 4, 5, 8, 16]
-BATCHES = [1, 4, 16]
-MATRIX_ENGINE = {"max_num_batched_tokens": 64}   # batch 16 prefills in chunks and is budget-bound
-
-
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts, every other one a repeated phrase so n-gram lookup finds matches."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(n):
-        if i % 2:
-            phrase = [rng.randrange(256) for _ in range(rng.randrange(2, 6))]
-            prompts.append(phrase * rng.randrange(2, 6) + [rng.randrange(256)])
-        else:
-            prompts.append([rng.randrange(256) for _ in range(rng.randrange(1, 40))])
-    return prompts
-
-
-PROMPTS = make_prompts(16)
-GREEDY = [SamplingParams(temperature=0.0, max_new_tokens=8 + 7 * i % 25, ignore_eos=True, logprobs=True,
-                         top_logprobs=2) for i in range(16)]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +39,7 @@ def plain(tiny_llama):
 
 @pytest.fixture(scope="module")
 def spec_kwargs(tiny_llama):
-    return functools.cache(lambda case: CASES[case][0](tiny_llama))
+    return functools.cache(lambda case: LOSSLESS_CASES[case][0](tiny_llama))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +53,7 @@ def spec_run(tiny_llama, spec_kwargs):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch):
     spec = spec_run(case, k, batch)
     assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))
@@ -89,17 +61,17 @@ def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch):
     assert_pages_released(spec.engine)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_acceptance_is_what_the_drafter_promises(spec_run, case):
     accept = mean_accept_length(spec_run(case, 8, 4))
-    minimum = CASES[case][1]
+    minimum = LOSSLESS_CASES[case][1]
     if minimum is None:
         assert accept == 1.0, "a drafter whose argmax is never the target's got a draft accepted"
     else:
         assert accept > minimum
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_poisoned_free_pages_change_nothing(spec_run, case):
     clean, poisoned = spec_run(case, 4, 16, poison=False), spec_run(case, 4, 16)
     assert [o.token_ids for o in poisoned.outputs] == [o.token_ids for o in clean.outputs]
@@ -107,7 +79,7 @@ def test_poisoned_free_pages_change_nothing(spec_run, case):
     assert poisoned.engine.stats == clean.engine.stats
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_preemption_under_speculation_recomputes_both_pools(tiny_llama, spec_kwargs, case):
     prompts = make_prompts(8, seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -118,7 +90,7 @@ def test_preemption_under_speculation_recomputes_both_pools(tiny_llama, spec_kwa
     assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 def test_sampled_speculation_is_reproducible_and_valid(tiny_llama, spec_kwargs, case):
     prompts = make_prompts(4, seed=7)
     kw = {"speculative_num_draft_tokens": 4, **spec_kwargs(case)}
@@ -136,7 +108,7 @@ OPS = st.lists(st.one_of(
 ), max_size=40)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, spec_kwargs, case, ops):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specserve import sampling
-from specserve.spec import verify as verify_module
-from specserve.spec.verify import verify
+from specserve.speculative import verify as verify_module
+from specserve.speculative.verify import verify
 from specserve.types import Proposal, Request, SamplingParams, ScheduledRequest, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,1 +1,1 @@
-"""Benchmark workloads and runners."""
+"""`specserve bench`: acceptance length and speed of each algorithm over the workloads of datasets.py."""

@@ -10,16 +10,16 @@ import os
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.bench.data import WORKLOADS, Conversation, load_workload, parse_workload_file
-from specserve.cli import engine_kwargs
+from specserve.config import engine_kwargs
+from specserve.datasets import WORKLOADS, Conversation, load_workload, messages, parse_workload_file, select_prompts
 from specserve.engine import LLM
-from specserve.types import RequestOutput, SamplingParams, SpecStats
+from specserve.loader.tokenizer import chat_token_ids
+from specserve.types import SamplingParams, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -68,52 +68,18 @@ def drafter_paths(algorithms: list[str], own: dict[str, str | None], shared: str
     return {a: own.get(a) or shared for a in algorithms if a in DRAFTER_ALGORITHMS}
 
 
-def messages(turns: Conversation, answers: list[str]) -> list[dict]:
-    """The chat so far: each answered user turn with the model's own answer, then the next user turn."""
-    chat = []
-    for user, assistant in zip(turns, answers):
-        chat += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    return chat + [{"role": "user", "content": turns[len(answers)]}]
-
-
-def chat_ids(tokenizer, chat: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def select_prompts(tokenizer, loaded: dict[str, list[Conversation]], n: int,
-                   max_tokens: int) -> dict[str, list[Conversation]]:
-    """Per workload, the first n conversations whose opening turn fits in max_tokens; one with none is dropped."""
-    selected = {}
-    for name, conversations in loaded.items():
-        fits = (c for c in conversations if len(chat_ids(tokenizer, messages(c, []))) <= max_tokens)
-        if chosen := list(islice(fits, n)):
-            selected[name] = chosen
-        else:
-            log.warning("skipping workload %s: no prompt fits in --max-prompt-tokens %d", name, max_tokens)
-    if not selected:
-        raise ValueError(f"no prompt fits in --max-prompt-tokens {max_tokens}")
-    return selected
-
-
-def output_stats(out: RequestOutput) -> SpecStats:
-    spec = out.spec
-    return SpecStats(spec["verify_ct"], spec["num_proposed_drafts"], spec["num_accepted_drafts"],
-                     len(out.token_ids), list(spec["accepted_histogram"]))
-
-
 def run_batch(llm: LLM, batch: list[Conversation], params: SamplingParams, cell: Cell) -> None:
     """Turn by turn: every conversation still going asks its next turn after its own previous answers."""
     answers: list[list[str]] = [[] for _ in batch]
     for turn in range(max(map(len, batch))):
         live = [i for i, turns in enumerate(batch) if len(turns) > turn]
-        prompts = [chat_ids(llm.tokenizer, messages(batch[i], answers[i])) for i in live]
+        prompts = [chat_token_ids(llm.tokenizer, messages(batch[i], answers[i])) for i in live]
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         cell.seconds += time.perf_counter() - start
         for i, out in zip(live, outs):
             answers[i].append(out.text)
-            cell.stats.merge(output_stats(out))
+            cell.stats.merge(out.spec)
     cell.answers += map(tuple, answers)
 
 
@@ -210,7 +176,7 @@ def format_table(record: dict) -> str:
 
 
 def plot(record: dict, path: str | Path) -> None:
-    from matplotlib.figure import Figure   # no pyplot: works without a display backend
+    from matplotlib.figure import Figure  # no pyplot: works without a display backend
     from matplotlib.ticker import MaxNLocator
 
     results, summary = record["results"], record["summary"]
@@ -273,13 +239,13 @@ def run_bench(args: argparse.Namespace) -> int:
         # Picked once with the target's tokenizer, so that every algorithm answers the same prompts.
         max_tokens = min(args.max_prompt_tokens, llm.engine.max_model_len - 1)
         workloads = workloads or select_prompts(llm.tokenizer, loaded, args.num_prompts, max_tokens)
-        warm_up = chat_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))
+        warm_up = chat_token_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))
         llm.generate([warm_up], SamplingParams(max_new_tokens=4, temperature=0.0))   # first-call costs untimed
         cells[algorithm] = run_algorithm(llm, algorithm, workloads, params, args.batch_size)
         del llm            # free this target and drafter before the next algorithm loads its own
         gc.collect()
 
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "command", "speculative_algorithm")}
+    config = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "speculative_algorithm")}
     record = build_record(cells, params.greedy, config, skipped)
     print(format_table(record))
     if args.json:

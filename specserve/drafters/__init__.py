@@ -14,3 +14,16 @@ def embedded_pair() -> dict:
         return {}
     return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": str(EMBEDDED_DSPARK),
             "speculative_ngram_hybrid": True}
+
+
+def with_shipped_drafter(kwargs: dict) -> dict:
+    """`serve` defaults to the embedded pair: on the embedded target, no speculative algorithm (None) means
+    DSPARK with the shipped drafter (n-gram hybrid on), and DSPARK without a drafter path means that
+    drafter. Any other target runs what its arguments say (plain decoding by default)."""
+    algorithm = kwargs["speculative_algorithm"]
+    pair = embedded_pair() if kwargs["model_path"] is None else {}
+    if algorithm is None:
+        return {**kwargs, **pair} if pair else {**kwargs, "speculative_algorithm": "NONE"}
+    if algorithm.upper() == "DSPARK" and not kwargs["speculative_draft_model_path"] and pair:
+        return {**kwargs, "speculative_draft_model_path": pair["speculative_draft_model_path"]}
+    return kwargs

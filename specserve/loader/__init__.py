@@ -2,58 +2,22 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.config import ModelConfig
+from specserve.loader.checkpoint import (
+    SUPPORTED_ARCHITECTURES,
+    LoadedCheckpoint,
+    ModelLoadError,
+    check_weight_names,
+    expected_weight_names,
+)
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedCheckpoint", "ModelLoadError", "check_weight_names",
+           "default_model_path", "expected_weight_names", "load_checkpoint", "resolve_model_path"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found or read; the message names the problem and the fix."""
-
-    def __init__(self, message: str):
-        # Wrapped library errors often span lines; callers print this as one line.
-        super().__init__(" ".join(message.split()))
-
-
-@dataclass
-class LoadedCheckpoint:
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: PreTrainedTokenizerBase
-    source: str
-
-
-def expected_weight_names(config: ModelConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
-    for i in range(config.num_layers):
-        layer = f"model.layers.{i}"
-        names |= {f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"}
-        names |= {f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-        names |= {f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"}
-        if config.qkv_bias:
-            names |= {f"{layer}.self_attn.{p}_proj.bias" for p in "qkv"}
-        if config.qk_norm:
-            names |= {f"{layer}.self_attn.{p}_norm.weight" for p in "qk"}
-    return names
-
-
-def check_weight_names(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
-    missing = sorted(expected_weight_names(config) - weights.keys())
-    if missing:
-        raise ModelLoadError(f"{source} lacks {len(missing)} tensors (e.g. {missing[0]}); "
-                             "the checkpoint is incomplete or not a supported architecture")
 
 
 def default_model_path() -> str:
@@ -69,7 +33,6 @@ def default_model_path() -> str:
 def resolve_model_path(path_or_name: str | None) -> str:
     if path_or_name is None:
         return default_model_path()
-    # Submodules import names from this module, so they are imported where used.
     from specserve.loader.fetch import REGISTRY, fetched_path
 
     if path_or_name in REGISTRY:

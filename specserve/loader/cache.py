@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specserve.loader import LoadedCheckpoint, ModelLoadError
 from specserve.loader import gguf as gguf_loader
+from specserve.loader.checkpoint import LoadedCheckpoint, ModelLoadError
 from specserve.loader.safetensors import hf_config, load_folder
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specserve.loader import ModelLoadError
 from specserve.loader.cache import cache_root
+from specserve.loader.checkpoint import ModelLoadError
 
 
 @dataclass(frozen=True)

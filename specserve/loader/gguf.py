@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from specserve.config import ModelConfig
-from specserve.loader import (SUPPORTED_ARCHITECTURES, LoadedCheckpoint, ModelLoadError,
-                              check_weight_names)
+from specserve.loader.checkpoint import SUPPORTED_ARCHITECTURES, LoadedCheckpoint, ModelLoadError, check_weight_names
 from specserve.loader.tokenizer import load_tokenizer
 
 _LAYER_PARTS = {

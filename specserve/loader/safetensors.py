@@ -7,7 +7,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specserve.config import ModelConfig
-from specserve.loader import LoadedCheckpoint, ModelLoadError, check_weight_names, expected_weight_names
+from specserve.loader.checkpoint import LoadedCheckpoint, ModelLoadError, check_weight_names, expected_weight_names
 from specserve.loader.tokenizer import load_tokenizer
 
 _CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}

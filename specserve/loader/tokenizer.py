@@ -9,7 +9,7 @@ from pathlib import Path  # noqa: E402
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
-from specserve.loader import ModelLoadError  # noqa: E402
+from specserve.loader.checkpoint import ModelLoadError  # noqa: E402
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -21,3 +21,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path} ({type(e).__name__}: {e}); the folder "
                              "needs tokenizer.json/tokenizer_config.json, a GGUF file tokenizer.ggml.* metadata") from e
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """A chat's prompt: the model's chat template over `messages`, ending in the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -16,27 +16,26 @@ lists the target id of each draft id.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import ModelLoadError
+from specserve.models.drafter_checkpoint import (
+    check_fits_target,
+    config_from_json,
+    default_layer_ids,
+    mismatch,
+    read_drafter_folder,
+    save_drafter_folder,
+)
 from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
-
-log = logging.getLogger(__name__)
-C = TypeVar("C")
 
 ARCHITECTURE = "BlockDrafter"
 
@@ -71,15 +70,7 @@ class BlockDrafterConfig:
         if data.get("architectures") != [ARCHITECTURE]:
             raise ModelLoadError(f"{source} is not a block drafter checkpoint (architectures "
                                  f"{data.get('architectures')}, expected [{ARCHITECTURE!r}])")
-        fields = {f.name: f for f in dataclasses.fields(BlockDrafterConfig)}
-        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
-        missing = [n for n in required if n not in data]
-        if missing:
-            raise ModelLoadError(f"{source}/config.json lacks {', '.join(missing)}")
-        values = {n: data[n] for n in fields if n in data}
-        values["target_layer_ids"] = tuple(values["target_layer_ids"])
-        values["confidence_temperatures"] = tuple(values.get("confidence_temperatures", ()))
-        return BlockDrafterConfig(**values)
+        return config_from_json(BlockDrafterConfig, data, source)
 
 
 def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -104,27 +95,6 @@ def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def save_drafter_folder(folder: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> None:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-
-
-def read_drafter_folder(folder: str | Path, kind: str, parse: Callable[[dict, str], C]) -> tuple[C, dict[str, torch.Tensor]]:
-    """A drafter folder's config (parsed, and so checked, before the weights are read) and weights;
-    `kind` names what was expected in errors."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise ModelLoadError(f"{folder} is not {kind}: --speculative-draft-model-path "
-                             "needs a folder with config.json and model.safetensors")
-    try:
-        config = parse(json.loads((folder / "config.json").read_text()), str(folder))
-        return config, load_file(str(folder / "model.safetensors"))
-    except (json.JSONDecodeError, SafetensorError) as e:
-        raise ModelLoadError(f"{folder} is corrupt ({e})") from e
-
-
 @dataclass
 class BlockDrafterCheckpoint:
     config: BlockDrafterConfig
@@ -142,23 +112,15 @@ class BlockDrafterCheckpoint:
     def validate(self, algorithm: str, target: ModelConfig, token_map: torch.Tensor | None) -> None:
         """Raise ModelLoadError at startup for anything that does not fit the target or the algorithm."""
         c, src = self.config, self.source or "the block drafter"
-        target_name = target.name or target.architecture
-
-        def bad(why: str) -> ModelLoadError:
-            return ModelLoadError(f"{src} cannot draft for {target_name}: {why}")
-
+        bad = mismatch(src, target)
         if c.algorithm != algorithm:
             raise bad(f"it is a {c.algorithm} drafter; run it with --speculative-algorithm {c.algorithm}")
-        if c.target_name and target.name and c.target_name != target.name:
-            log.warning("%s was trained for %s, not %s", src, c.target_name, target.name)
-        if c.target_hidden_size != target.hidden_size or c.hidden_size != target.hidden_size:
-            raise bad(f"it was built for hidden size {c.target_hidden_size} (its own {c.hidden_size}) but the "
-                      f"target's is {target.hidden_size}")
-        if c.target_vocab_size != target.vocab_size:
-            raise bad(f"it was built for a vocabulary of {c.target_vocab_size} but the target has {target.vocab_size}")
-        ids = c.target_layer_ids
-        if not ids or any(not 0 <= i < target.num_layers for i in ids) or list(ids) != sorted(set(ids)):
-            raise bad(f"target_layer_ids {list(ids)} must be increasing layer ids in [0, {target.num_layers})")
+        check_fits_target(src, target, target_name=c.target_name, hidden_size=c.target_hidden_size,
+                          target_vocab_size=c.target_vocab_size, target_layer_ids=c.target_layer_ids,
+                          weights=self.weights, shapes=weight_shapes(c))
+        if c.hidden_size != c.target_hidden_size:
+            raise bad(f"its hidden size {c.hidden_size} differs from the target hidden size {c.target_hidden_size} "
+                      "it was built for: it shares the target's embedding and LM head")
         if not 0 <= c.mask_token_id < target.vocab_size:
             raise bad(f"mask_token_id {c.mask_token_id} is outside the vocabulary [0, {target.vocab_size})")
         if c.block_size < 1 or c.num_hidden_layers < 1:
@@ -166,11 +128,6 @@ class BlockDrafterCheckpoint:
         if algorithm == "DSPARK" and (c.markov_rank < 1 or len(c.confidence_temperatures) != c.block_size
                                       or any(t <= 0 for t in c.confidence_temperatures)):
             raise bad("DSPARK needs markov_rank >= 1 and one positive confidence temperature per block row")
-        for name, shape in weight_shapes(c).items():
-            if name not in self.weights:
-                raise bad(f"tensor {name} is missing")
-            if tuple(self.weights[name].shape) != shape:
-                raise bad(f"tensor {name} has shape {list(self.weights[name].shape)}, expected {list(shape)}")
         token_map = token_map if token_map is not None else self.weights.get("token_map")
         if token_map is None:
             if c.draft_vocab_size != target.vocab_size:
@@ -190,12 +147,6 @@ def load_token_map(path: str | Path) -> torch.Tensor:
     except (OSError, RuntimeError) as e:
         raise ModelLoadError(f"cannot read the token map {path} ({e})") from e
     return torch.as_tensor(token_map)
-
-
-def default_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
-    """`count` target layers spread evenly from the first to the last."""
-    count = min(count, num_target_layers)
-    return tuple(sorted({round(i * (num_target_layers - 1) / max(count - 1, 1)) for i in range(count)}))
 
 
 def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_layers: int = 1,

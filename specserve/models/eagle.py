@@ -14,7 +14,6 @@ model.safetensors in Hugging Face layout ([out, in] weights; the layer is `model
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -26,11 +25,15 @@ from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import ModelLoadError
-from specserve.models.block_drafter import default_layer_ids, read_drafter_folder, save_drafter_folder
+from specserve.models.drafter_checkpoint import (
+    check_fits_target,
+    config_from_json,
+    default_layer_ids,
+    read_drafter_folder,
+    save_drafter_folder,
+)
 from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
 from specserve.models.llama import LlamaModel
-
-log = logging.getLogger(__name__)
 
 ALGORITHM = "EAGLE"
 
@@ -57,12 +60,7 @@ class EagleConfig:
         if data.get("algorithm") != ALGORITHM:
             raise ModelLoadError(f"{source} is not an EAGLE checkpoint (its config.json has algorithm "
                                  f"{data.get('algorithm')!r}, expected {ALGORITHM!r})")
-        fields = {f.name: f for f in dataclasses.fields(EagleConfig)}
-        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in data]
-        if missing:
-            raise ModelLoadError(f"{source}/config.json lacks {', '.join(missing)}")
-        values = {n: data[n] for n in fields if n in data}
-        return EagleConfig(**{**values, "target_layer_ids": tuple(values["target_layer_ids"])})
+        return config_from_json(EagleConfig, data, source)
 
 
 def weight_shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
@@ -93,26 +91,10 @@ class EagleCheckpoint:
 
     def validate(self, target: ModelConfig) -> None:
         """Raise ModelLoadError at startup for anything that does not fit the target."""
-        c, src = self.config, self.source or "the EAGLE drafter"
-        target_name = target.name or target.architecture
-
-        def bad(why: str) -> ModelLoadError:
-            return ModelLoadError(f"{src} cannot draft for {target_name}: {why}")
-
-        if c.target_name and target.name and c.target_name != target.name:
-            log.warning("%s was trained for %s, not %s", src, c.target_name, target.name)
-        if c.hidden_size != target.hidden_size:
-            raise bad(f"it was built for hidden size {c.hidden_size} but the target's is {target.hidden_size}")
-        if c.target_vocab_size != target.vocab_size:
-            raise bad(f"it was built for a vocabulary of {c.target_vocab_size} but the target has {target.vocab_size}")
-        ids = c.target_layer_ids
-        if not ids or any(not 0 <= i < target.num_layers for i in ids) or list(ids) != sorted(set(ids)):
-            raise bad(f"target_layer_ids {list(ids)} must be increasing layer ids in [0, {target.num_layers})")
-        for name, shape in weight_shapes(c).items():
-            if name not in self.weights:
-                raise bad(f"tensor {name} is missing")
-            if tuple(self.weights[name].shape) != shape:
-                raise bad(f"tensor {name} has shape {list(self.weights[name].shape)}, expected {list(shape)}")
+        c = self.config
+        check_fits_target(self.source or "the EAGLE drafter", target, target_name=c.target_name,
+                          hidden_size=c.hidden_size, target_vocab_size=c.target_vocab_size,
+                          target_layer_ids=c.target_layer_ids, weights=self.weights, shapes=weight_shapes(c))
 
 
 def random_eagle(target: ModelConfig, *, target_layer_ids: tuple[int, ...] | None = None, seed: int = 0,

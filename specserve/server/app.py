@@ -27,15 +27,35 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.engine import Engine, engine_config
+from specserve.config import engine_config
+from specserve.engine import Engine
+from specserve.loader.tokenizer import chat_token_ids
 from specserve.server.async_engine import AsyncEngine, EngineError, Submission, Unavailable
 from specserve.server.metrics import Metrics
-from specserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                       Delta, ErrorInfo, ErrorResponse, ModelCard, ModelList, SpecUsage,
-                                       PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
-from specserve.types import RequestOutput, SamplingParams
+from specserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SpecUsage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from specserve.types import RequestOutput, SamplingParams, SpecStats
 
 MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
@@ -203,11 +223,9 @@ class OpenAIServer:
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages], tokenize=False,
-                                                      add_generation_prompt=True)
+            return chat_token_ids(self.tokenizer, [m.model_dump() for m in req.messages])
         except jinja2.TemplateError as exc:
             raise ApiError(400, f"messages: the model's chat template rejected them: {exc}", param="messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def jobs(self, req: CompletionRequest | ChatCompletionRequest,
              prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
@@ -368,17 +386,13 @@ class ChatFormat:
 
 def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
     completion_tokens = sum(len(o.token_ids) for o in finals)
-    verify_ct = sum(o.spec["verify_ct"] for o in finals)
-    histogram: list[int] = []
+    total = SpecStats()
     for o in finals:
-        for k, count in enumerate(o.spec["accepted_histogram"]):
-            histogram += [0] * (k + 1 - len(histogram))
-            histogram[k] += count
-    spec = SpecUsage(verify_ct=verify_ct,
-                     accept_length=round(completion_tokens / verify_ct, 4) if verify_ct else 0.0,
-                     num_accepted_drafts=sum(o.spec["num_accepted_drafts"] for o in finals),
-                     num_proposed_drafts=sum(o.spec["num_proposed_drafts"] for o in finals),
-                     accepted_histogram=histogram)
+        total.merge(o.spec)
+    spec = SpecUsage(verify_ct=total.verify_ct,
+                     accept_length=round(completion_tokens / total.verify_ct, 4) if total.verify_ct else 0.0,
+                     num_accepted_drafts=total.num_accepted_drafts, num_proposed_drafts=total.num_proposed_drafts,
+                     accepted_histogram=total.accepted_histogram)
     cached = PromptTokensDetails(cached_tokens=max((o.num_cached_tokens for o in finals), default=0))
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=cached, spec=spec)

@@ -1,2 +1,3 @@
-"""Drafter training (`specserve train-drafter`): data regeneration (data.py), losses (losses.py), and the
-loop with calibration and export (train_drafter.py)."""
+"""Drafter training (`specserve train-drafter`): data regeneration (data.py), losses (losses.py), the
+trainer with checkpoints and calibration (trainer.py), acceptance and model card (report.py), and the
+command that runs it all (run.py)."""

@@ -10,7 +10,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from specserve.engine import Engine, engine_config
+from specserve.config import engine_config
+from specserve.engine import Engine
 from specserve.server.app import MAX_BODY_BYTES, create_app
 from tests.e2e import KV_BYTES, ServerProcess, save_tiny_model
 from tests.spec_harness import assert_pages_released

@@ -23,14 +23,14 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.eagle import EagleCheckpoint, EagleDrafter
-from specserve.spec import CommittedContext
-from specserve.spec.draft_model import choose_drafts
+from specserve.speculative import CommittedContext, DraftJob
+from specserve.speculative.draft_model import choose_drafts
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
     from specserve.runner import ForwardOutput
-    from specserve.spec import TargetInfo
+    from specserve.speculative import TargetInfo
 
 
 class EagleProposer(CommittedContext):
@@ -67,25 +67,25 @@ class EagleProposer(CommittedContext):
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> Proposal:
-        jobs = [(i, s.request, min(self.k, s.max_drafts)) for i, s in enumerate(plan.scheduled)
+        jobs = [DraftJob(i, s.request, min(self.k, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
         if not jobs:
             return Proposal.none(len(plan.scheduled))
         drafts: list[list[int]] = [[] for _ in plan.scheduled]
         probs: list[list[torch.Tensor]] = [[] for _ in plan.scheduled]   # q rows of sampled requests
         active = jobs
-        tokens = [req.all_token_ids[-1] for _, req, _ in jobs]
-        features = torch.stack([self.feature(req) for _, req, _ in jobs])
-        for r in range(max(m for *_, m in jobs)):
-            positions = [req.num_tokens - 1 + r for _, req, _ in active]
-            spans = [SeqSpan(req.pages, pos, 1) for (_, req, _), pos in zip(active, positions)]
+        tokens = [job.request.all_token_ids[-1] for job in jobs]
+        features = torch.stack([self.feature(job.request) for job in jobs])
+        for r in range(max(job.num_drafts for job in jobs)):
+            positions = [job.request.num_tokens - 1 + r for job in active]
+            spans = [SeqSpan(job.request.pages, pos, 1) for job, pos in zip(active, positions)]
             meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
             predicted, logits = self.drafter.forward(torch.tensor(tokens), features, torch.tensor(positions), meta,
                                                      self.pool)
             choose_drafts(active, logits, drafts, probs, self.generator)
-            going = [row for row, (*_, m) in enumerate(active) if m > r + 1]
+            going = [row for row, job in enumerate(active) if job.num_drafts > r + 1]
             active = [active[row] for row in going]
-            tokens = [drafts[i][-1] for i, _, _ in active]
+            tokens = [drafts[job.index][-1] for job in active]
             features = predicted[going]
         return Proposal(tuple(map(tuple, drafts)), tuple(torch.stack(p) if p else None for p in probs))
 

@@ -1,30 +1,20 @@
-"""Drafter training on the tiny random target: the dense training forward equals the engine's paged
-proposer, a few steps reduce the loss, checkpoint → resume continues bit for bit, and the exported
-folder loads in the engine and decodes losslessly; the CLI end to end."""
+"""The drafter trainer on the tiny random target: the dense training forward equals the engine's paged
+proposer, a few steps reduce the loss, and checkpoint → resume continues bit for bit."""
 from __future__ import annotations
-
-import argparse
-import json
 
 import pytest
 import torch
 
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
-from specserve.bench.data import WORKLOADS
 from specserve.engine import LLM
 from specserve.kv_pages import KVPool, slots_for
-from specserve.models.block_drafter import (BlockDrafter, BlockDrafterCheckpoint, dense_block_forward,
-                                            random_block_drafter)
-from specserve.models.eagle import EagleCheckpoint
+from specserve.models.block_drafter import BlockDrafter, dense_block_forward, random_block_drafter
 from specserve.models.layers import Rope
 from specserve.models.llama import LlamaModel
 from specserve.train.data import Example, build_token_map
-from specserve.train.train_drafter import (DrafterTrainer, TrainConfig, add_train_args, cmd_train_drafter,
-                                           eval_workloads, make_batch, sample_anchors, seeded, train_drafter,
-                                           usable_examples)
+from specserve.train.trainer import DrafterTrainer, TrainConfig, make_batch, sample_anchors, seeded, usable_examples
 from specserve.types import SamplingParams
-from tests.conftest import save_hf_folder
-from tests.test_block_drafter import record_proposals
+from tests.spec_harness import record_proposals
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 SMALL = dict(block_size=4, anchors=8, batch_size=4, markov_rank=8, draft_vocab=160, max_len=128, holdout=4,
@@ -33,16 +23,6 @@ SMALL = dict(block_size=4, anchors=8, batch_size=4, markov_rank=8, draft_vocab=1
 
 def engine(ckpt, **spec) -> LLM:
     return LLM(checkpoint=ckpt, dtype="float64", page_size=4, num_pages=256, **spec)
-
-
-@pytest.fixture(scope="module")
-def examples(tiny_llama) -> list[Example]:
-    """The tiny target's own greedy answers to random prompts."""
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(2, 10, (40,), generator=gen).tolist()
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
-    outs = engine(tiny_llama).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32))
-    return [Example(f"e{i}", p, o.token_ids) for i, (p, o) in enumerate(zip(prompts, outs))]
 
 
 def randomise_norms(trainer: DrafterTrainer) -> None:
@@ -62,7 +42,7 @@ def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path)
     ckpt = trainer.checkpoint((1.0, 2.0, 0.5, 3.0, 1.5))
     ckpt.save(tmp_path)
     spec = engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=str(tmp_path),
-                  speculative_dspark_block_size=5, speculative_dspark_confidence_threshold=0.0).engine
+                  speculative_block_size=5, speculative_dspark_confidence_threshold=0.0).engine
     drafter = spec.proposer.drafter
     block_logits = []
     base_logits = drafter.logits
@@ -150,10 +130,10 @@ def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
     torch.testing.assert_close(dense[0, 0], paged, rtol=0, atol=1e-10)
 
 
-def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, examples):
+def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, tiny_answers):
     """Many anchors over padded sequences of different lengths give each block what it gets alone, and
     the target distribution of each row peaks at the target's own greedy next token."""
-    data = usable_examples(examples, 128)[:4]
+    data = usable_examples(tiny_answers, 128)[:4]
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), build_token_map(data, 160, 257))
     randomise_norms(trainer)
     batch = make_batch(data)
@@ -173,24 +153,24 @@ def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, examples):
 
 
 @pytest.mark.parametrize("algorithm", ["DSPARK", "EAGLE"])
-def test_a_few_steps_reduce_the_loss(tiny_llama, examples, tmp_path, algorithm):
+def test_a_few_steps_reduce_the_loss(tiny_llama, tiny_answers, tmp_path, algorithm):
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, algorithm=algorithm, max_steps=40, save_every=100), None)
-    batch = make_batch(usable_examples(examples, 128)[:8])
+    batch = make_batch(usable_examples(tiny_answers, 128)[:8])
 
     def held_loss():
         with torch.no_grad():
             return trainer.losses(batch, seeded(9))
 
     before = held_loss()
-    trainer.train(usable_examples(examples, 128), tmp_path / "state.pt")
+    trainer.train(usable_examples(tiny_answers, 128), tmp_path / "state.pt")
     after = held_loss()
     assert after.total.item() < 0.8 * before.total.item()
     assert after.accept_length > before.accept_length and after.acceptance > before.acceptance
 
 
-def test_checkpoint_then_resume_continues_identically(tiny_llama, examples, tmp_path, monkeypatch):
+def test_checkpoint_then_resume_continues_identically(tiny_llama, tiny_answers, tmp_path, monkeypatch):
     cfg = TrainConfig(**SMALL, max_steps=5, save_every=2)
-    data = usable_examples(examples, 128)
+    data = usable_examples(tiny_answers, 128)
     straight = DrafterTrainer(tiny_llama, cfg, None)
     saves = []
     save = DrafterTrainer.save
@@ -209,80 +189,3 @@ def test_checkpoint_then_resume_continues_identically(tiny_llama, examples, tmp_
         assert torch.equal(p, resumed.params[name]), name
     with pytest.raises(ValueError, match="other drafter settings"):
         DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 4}), None).load(tmp_path / "resumed.pt")
-
-
-@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
-def test_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples, tmp_path, algorithm):
-    cfg = TrainConfig(**SMALL, algorithm=algorithm, max_steps=30, save_every=100)
-    ckpt = train_drafter(tiny_llama, examples, cfg, tmp_path / "out", tmp_path / "work", eval_prompts=3,
-                         eval_max_new_tokens=16, source="tiny test answers")
-    loaded = BlockDrafterCheckpoint.load(tmp_path / "out")
-    assert loaded.config == ckpt.config and loaded.weights["token_map"].shape == (160,)
-    if algorithm == "DSPARK":
-        assert len(loaded.config.confidence_temperatures) == 4
-        assert loaded.config.confidence_temperatures != (1.0,) * 4, "calibrated on the held-out examples"
-    card = (tmp_path / "out" / "README.md").read_text()
-    for row in ("| draft layers | 1 |", "| block size | 4 |", "| draft vocabulary | 160 of 257 |",
-                "| target layer ids | [0, 1] |", "| held-out | 3 |"):
-        assert row in card
-    assert ("| Markov rank | 8 |" in card) == (algorithm == "DSPARK")
-
-    prompts = [e.prompt_ids for e in examples[:6]]
-    plain = engine(tiny_llama).generate(prompts, GREEDY)
-    window = {"speculative_dspark_confidence_threshold": 0.3} if algorithm == "DSPARK" else {}
-    spec = engine(tiny_llama, speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path / "out"),
-                  speculative_dspark_block_size=4, **window)
-    outs = spec.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert spec.engine.stats.num_accepted_drafts > 0
-
-
-def test_eagle_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, examples, tmp_path):
-    cfg = TrainConfig(**SMALL, algorithm="EAGLE", max_steps=30, save_every=100)
-    ckpt = train_drafter(tiny_llama, examples, cfg, tmp_path / "out", tmp_path / "work", eval_prompts=3,
-                         eval_max_new_tokens=16, source="tiny test answers")
-    loaded = EagleCheckpoint.load(tmp_path / "out")
-    assert loaded.config == ckpt.config and "token_map" not in loaded.weights
-    card = (tmp_path / "out" / "README.md").read_text()
-    for row in ("| algorithm | EAGLE |", "| drafts per step (trained chain) | 4 |", "| draft vocabulary | the target's 257 |",
-                "| target layer ids | [0, 1] |", "| held-out | 3 |", "--speculative-num-draft-tokens 4"):
-        assert row in card
-    prompts = [e.prompt_ids for e in examples[:6]]
-    plain = engine(tiny_llama).generate(prompts, GREEDY)
-    spec = engine(tiny_llama, speculative_algorithm="EAGLE", speculative_draft_model_path=str(tmp_path / "out"),
-                  speculative_num_draft_tokens=4)
-    outs = spec.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert spec.engine.stats.num_accepted_drafts > 0
-
-
-def test_model_card_workloads_are_the_bench_prompts_first_turns(tiny_llama, monkeypatch):
-    monkeypatch.setitem(WORKLOADS, "mtbench", lambda: [("x" * 500, "never asked"), ("Hi", "More?"), ("Yo",)])
-    chat = engine(tiny_llama).engine.encode
-    assert eval_workloads("mtbench", tiny_llama.tokenizer, 1, 100) == {"mtbench": [chat("Hi", chat=True)]}
-    assert eval_workloads("", tiny_llama.tokenizer, 1, 100) == {}
-
-
-def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
-    save_hf_folder(tiny_llama, tmp_path / "target")
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n"
-                                                    for w in ("cats", "dogs", "the sea", "rain", "maths", "tea")))
-    parser = argparse.ArgumentParser()
-    add_train_args(parser)
-    argv = ["--target-model-path", str(tmp_path / "target"), "--algorithm", "DFLASH", "--out", str(tmp_path / "out"),
-            "--data", str(tmp_path / "prompts.jsonl"), "--regen-max-new-tokens", "16", "--block-size", "4",
-            "--anchors", "4", "--batch-size", "2", "--max-len", "128", "--draft-vocab", "100",
-            "--dtype", "float64", "--eval-workloads", "", "--eval-prompts", "0"]
-    assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "3"])) == 0
-    work = tmp_path / "out.work"
-    assert len((work / "regenerated.jsonl").read_text().splitlines()) == 6
-    assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "5", "--resume"])) == 0
-    steps = [json.loads(line)["step"] for line in (work / "train_log.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
-    assert BlockDrafterCheckpoint.load(tmp_path / "out").config.algorithm == "DFLASH"
-    eagle = [*argv[:argv.index("--out") + 1], str(tmp_path / "eagle"), *argv[argv.index("--out") + 2:]]
-    eagle[eagle.index("DFLASH")] = "eagle"
-    assert cmd_train_drafter(parser.parse_args([*eagle, "--max-steps", "2", "--work-dir", str(work)])) == 0
-    assert EagleCheckpoint.load(tmp_path / "eagle").config.target_layer_ids == (0, 1)
-    assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
-    assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90

@@ -1,17 +1,19 @@
 """NGRAM: prompt lookup. The drafts are the tokens that followed the most recent earlier occurrence
-of the request's last n tokens in its own prompt + output; no model, no KV, deterministic drafts."""
+of the request's last n tokens in its own prompt + output; no model, no KV, deterministic drafts.
+NgramHybrid is the same lookup as DSPARK's second option (--speculative-ngram-hybrid)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from specserve.config import SpecConfig
 from specserve.kv_pages import KVPool
+from specserve.speculative.windows import Candidate, RowMeans, survivals
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
     from specserve.runner import ForwardOutput
-    from specserve.spec import TargetInfo
+    from specserve.speculative import TargetInfo
 
 
 def prompt_lookup(tokens: list[int], ngram_min: int, ngram_max: int, num_drafts: int) -> list[int]:
@@ -77,3 +79,48 @@ class NgramProposer:
 
     def release(self, req: Request) -> None:
         pass
+
+
+class NgramHybrid:
+    """DSPARK's n-gram option: per request and step, prompt lookup proposes a continuation too, and
+    whichever of the two has the larger expected accepted length (the sum of its survivals) is
+    verified. N-gram rows are as confident as the request's own n-gram rows have been (a running
+    per-row estimate from an even prior): kept per request, so a seeded request samples the same
+    tokens whatever runs beside it."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.per_request: dict[str, RowMeans] = {}
+        self.pending: dict[str, int] = {}     # request id → n-gram drafts verified in this step
+
+    def lookup(self, req: Request, n: int) -> tuple[list[int], list[float]]:
+        drafts = prompt_lookup(req.all_token_ids, self.ngram_min, self.ngram_max, n)
+        seen = self.per_request.get(req.request_id) or RowMeans()
+        return drafts, seen.means(len(drafts))
+
+    def weigh(self, plan: StepPlan, candidates: dict[int, Candidate], max_rows: int) -> None:
+        """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
+        for i, s in enumerate(plan.scheduled):
+            if not s.samples or s.max_drafts <= 0:
+                continue
+            drafts, rates = self.lookup(s.request, min(max_rows, s.max_drafts))
+            if not drafts:
+                continue
+            block = candidates.get(i)
+            if block is None or sum(survivals(rates)) > sum(survivals(block.confidences)):
+                candidates[i] = Candidate(drafts, [], rates, from_ngram=True)
+
+    def verifying(self, req: Request, num_drafts: int) -> None:
+        """The request verifies `num_drafts` n-gram drafts this step; `record` learns how many held."""
+        self.pending[req.request_id] = num_drafts
+
+    def record(self, plan: StepPlan, result: VerifyResult) -> None:
+        for s, res in zip(plan.scheduled, result.per_request):
+            rid = s.request.request_id
+            verified = self.pending.pop(rid, 0)
+            if verified and res is not None and not s.request.finished:
+                self.per_request.setdefault(rid, RowMeans()).add_verified(verified, res.num_accepted)
+
+    def release(self, req: Request) -> None:
+        self.per_request.pop(req.request_id, None)
+        self.pending.pop(req.request_id, None)

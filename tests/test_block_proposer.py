@@ -12,21 +12,36 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import Engine
-from specserve.kv_pages import KVGeometry, KVPool, slots_for
+from specserve.kv_pages import KVGeometry
 from specserve.loader import LoadedCheckpoint
 from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
-from specserve.profile import STARTUP_ROWS
-from specserve.spec.block_drafter import BlockDrafterProposer, RowMeans
-from specserve.spec.budget import CostTable
-from specserve.spec.ngram import prompt_lookup
-from specserve.types import Request, SamplingParams
+from specserve.speculative.cost_table import STARTUP_ROWS, CostTable
+from specserve.speculative.ngram import prompt_lookup
+from specserve.speculative.windows import BudgetPlanner
+from specserve.types import SamplingParams
 from tests import spec_harness
-from tests.spec_harness import (SAMPLED, Run, assert_pages_released, assert_same_as_plain, assert_sampled_batch_valid,
-                                assert_stats_consistent, make_engine, mean_accept_length, replay_traffic, run)
-from tests.test_block_drafter import record_proposals
-from tests.test_spec_lossless import BATCHES, GREEDY, MATRIX_ENGINE, PROMPTS, make_prompts
+from tests.spec_harness import (
+    BATCHES,
+    BLOCK_CASES,
+    GREEDY,
+    MATRIX_ENGINE,
+    PROMPTS,
+    SAMPLED,
+    Run,
+    assert_draft_context_exact,
+    assert_pages_released,
+    assert_same_as_plain,
+    assert_sampled_batch_valid,
+    assert_stats_consistent,
+    capture_draft_context,
+    make_engine,
+    make_prompts,
+    mean_accept_length,
+    record_proposals,
+    replay_traffic,
+    run,
+)
 
 GAMMAS = [1, 2, 4, 5, 8, 16]
 
@@ -76,74 +91,15 @@ def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
     return {name: str(root / name) for name in [*ckpts, "cost.json"]}
 
 
-CASES = {
-    "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
-    # By weights a tiny drafter's row costs a large part of a tiny target row (the agreeing drafter has a
-    # Markov rank per memorised transition). These cases are about windows, so their blocks are free;
-    # the block's cost has its own tests.
-    "dspark-budget": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
-                                "speculative_dspark_cost_table_path": d["cost.json"],
-                                "speculative_dspark_block_cost": 0.0},
-    "dspark-threshold": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["agree"],
-                                   "speculative_dspark_confidence_threshold": 0.5},
-    "dspark-random": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"],
-                                "speculative_dspark_block_cost": 0.0},
-    "dspark-hybrid": lambda d: {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": d["dspark"],
-                                "speculative_dspark_cost_table_path": d["cost.json"],
-                                "speculative_dspark_block_cost": 0.0,
-                                "speculative_ngram_hybrid": True},
-}
-
-
 def drive(engine: Engine, prompts, params, poison: bool = True) -> Run:
     return spec_harness.drive(engine, prompts, params, poison)
-
-
-def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """At each request's finish: the tokens its draft context covers and that context's K and V."""
-    captured = {}
-    finish = engine.scheduler.finish
-
-    def capturing(req: Request, reason: str) -> None:
-        n = engine.proposer.context_length(req)
-        if req.pages and n:
-            slots = torch.tensor(slots_for(req.pages, 0, n, engine.draft_pool.page_size))
-            captured[req.request_id] = (req.all_token_ids[:n], engine.draft_pool.k[:, slots].clone(),
-                                        engine.draft_pool.v[:, slots].clone())
-        finish(req, reason)
-
-    engine.scheduler.finish = capturing
-    return captured
-
-
-def reference_context(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft context of `tokens` from one target prefill over all of them, in scratch pools."""
-    n, page_size = len(tokens), 4
-    pages = list(range(-(-n // page_size)))
-    target_pool = KVPool(engine.pool.geometry, len(pages), page_size)
-    meta = AttentionMetadata.build([SeqSpan(pages, 0, n)], page_size, target_pool.null_slot)
-    _, aux = engine.model.forward(torch.tensor(tokens), torch.arange(n), meta, target_pool,
-                                  engine.proposer.aux_layer_ids)
-    pool = KVPool(engine.draft_pool.geometry, len(pages), page_size)
-    slots = torch.tensor(slots_for(pages, 0, n, page_size))
-    engine.proposer.drafter.write_context(torch.cat(aux, dim=-1), torch.arange(n), slots, pool)
-    return pool.k[:, slots], pool.v[:, slots]
-
-
-def assert_draft_context_exact(engine: Engine, captured) -> None:
-    assert captured, "no request finished with a draft context"
-    for tokens, k, v in captured.values():
-        want_k, want_v = reference_context(engine, tokens)
-        torch.testing.assert_close(k, want_k, rtol=0, atol=1e-9)
-        torch.testing.assert_close(v, want_v, rtol=0, atol=1e-9)
 
 
 @pytest.fixture(scope="module")
 def spec_run(tiny_llama, drafters):
     @functools.cache
     def go(case: str, gamma: int, batch: int):
-        engine = make_engine(tiny_llama, speculative_dspark_block_size=gamma, **MATRIX_ENGINE, **CASES[case](drafters))
+        engine = make_engine(tiny_llama, speculative_block_size=gamma, **MATRIX_ENGINE, **BLOCK_CASES[case](drafters))
         context, seen = capture_draft_context(engine), record_proposals(engine)
         return drive(engine, PROMPTS[:batch], GREEDY[:batch]), context, seen
     return go
@@ -195,7 +151,7 @@ def count_blocks(engine: Engine) -> list[tuple[int, int]]:
     block_hidden = engine.proposer.drafter.block_hidden
 
     def counting(input_ids, positions, meta, pool):
-        calls.append((engine.proposer.num_steps - 1, sum(c.batch for c in meta.chunks)))
+        calls.append((engine.proposer.policy.num_steps - 1, sum(c.batch for c in meta.chunks)))
         return block_hidden(input_ids, positions, meta, pool)
 
     engine.proposer.drafter.block_hidden = counting
@@ -218,10 +174,10 @@ def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path
     spec = drive(engine, prompts, params)
     assert_same_as_plain(spec, want)
     assert_pages_released(engine)
-    assert not engine.proposer.forecast
+    assert not engine.proposer.policy.forecast
     # only a prefill chunk in the same forward makes a row cheap enough relative to the step
     assert all(max(s.num_feed for s in plan.scheduled) > 1 for plan, _, proposal in seen if any(proposal.draft_tokens))
-    every, steps = BlockDrafterProposer.PROBE_EVERY, engine.proposer.num_steps
+    every, steps = BudgetPlanner.PROBE_EVERY, engine.proposer.policy.num_steps
     assert steps > 4 * every
     # one block per request before it has a forecast (in the steps that start its decoding), then only
     # in probing steps, at steps 8, 16, 32, 64, ... (the intervals double while no window pays off)
@@ -239,11 +195,11 @@ def test_blocks_that_cost_more_than_they_win_are_skipped(tiny_llama, drafters):
     want = run(tiny_llama, prompts, params, **MATRIX_ENGINE)
     blocks = {}
     for block_cost in (0.0, 10.0):
-        engine = make_engine(tiny_llama, **MATRIX_ENGINE, **{**CASES["dspark-budget"](drafters),
+        engine = make_engine(tiny_llama, **MATRIX_ENGINE, **{**BLOCK_CASES["dspark-budget"](drafters),
                                                             "speculative_dspark_block_cost": block_cost})
         blocks[block_cost] = count_blocks(engine)
         assert_same_as_plain(drive(engine, prompts, params), want)
-    every = BlockDrafterProposer.PROBE_EVERY
+    every = BudgetPlanner.PROBE_EVERY
     assert len(blocks[0.0]) > 20
     assert all(step % every == 0 for step, _ in blocks[10.0] if step >= every) and len(blocks[10.0]) < 10
 
@@ -253,7 +209,7 @@ def test_block_cost_defaults_to_the_weights_ratio(tiny_llama, drafters):
           "speculative_dspark_cost_table_path": drafters["cost.json"]}
     engine = make_engine(tiny_llama, **kw)
     ratio = engine.proposer.drafter.block_row_weights() / engine.model.row_weights()
-    assert ratio > 0 and engine.proposer.relative_block_cost == ratio
+    assert ratio > 0 and engine.proposer.policy.relative_block_cost == ratio
     with pytest.raises(ValueError, match="--speculative-dspark-block-cost must be >= 0"):
         make_engine(tiny_llama, **kw, speculative_dspark_block_cost=-1.0)
 
@@ -264,8 +220,8 @@ def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):
               for i in range(8)]
     proposals = []
     for poison in (False, True):
-        engine = make_engine(tiny_llama, speculative_dspark_block_size=4, max_num_batched_tokens=48,
-                             **CASES["dspark-random"](drafters))
+        engine = make_engine(tiny_llama, speculative_block_size=4, max_num_batched_tokens=48,
+                             **BLOCK_CASES["dspark-random"](drafters))
         seen = record_proposals(engine)
         drive(engine, prompts, params, poison=poison)
         proposals.append([p for *_, p in seen])
@@ -280,7 +236,7 @@ def test_poisoned_free_pages_change_no_proposal(tiny_llama, drafters):
 def test_preemption_rebuilds_the_draft_context(tiny_llama, drafters, case):
     prompts = make_prompts(8, seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-    engine = make_engine(tiny_llama, num_pages=24, speculative_dspark_block_size=4, **CASES[case](drafters))
+    engine = make_engine(tiny_llama, num_pages=24, speculative_block_size=4, **BLOCK_CASES[case](drafters))
     context = capture_draft_context(engine)
     spec = drive(engine, prompts, params)
     assert sum(o.num_preemptions for o in spec.outputs) > 0, "the pool was meant to be too small"
@@ -293,7 +249,7 @@ def test_preemption_rebuilds_the_draft_context(tiny_llama, drafters, case):
 @pytest.mark.parametrize("case", ["dflash", "dspark-random", "dspark-threshold"])
 def test_sampled_block_drafting_is_reproducible_and_valid(tiny_llama, drafters, case):
     prompts = make_prompts(4, seed=7)
-    kw = {"speculative_dspark_block_size": 4, **CASES[case](drafters)}
+    kw = {"speculative_block_size": 4, **BLOCK_CASES[case](drafters)}
     engine = make_engine(tiny_llama, **kw)
     seen = record_proposals(engine)
     batched = drive(engine, prompts, SAMPLED)
@@ -318,11 +274,11 @@ def test_penalties_and_stops_inside_accepted_windows_stay_lossless(tiny_llama, p
               for i, out in enumerate(plain.outputs[:8])]
     params.append(SamplingParams(temperature=0.7, seed=3, max_new_tokens=16, ignore_eos=True, presence_penalty=0.5))
     prompts = PROMPTS[:9]
-    kw = {"speculative_dspark_block_size": 8, **CASES["dspark-threshold"](drafters)}
+    kw = {"speculative_block_size": 8, **BLOCK_CASES["dspark-threshold"](drafters)}
     spec = run(tiny_llama, prompts, params, poison=True, **kw)
     want = run(tiny_llama, prompts, params)
     assert [o.token_ids for o in spec.outputs[:8]] == [o.token_ids for o in want.outputs[:8]]
-    assert any(o.finish_reason == "stop" and o.spec["num_accepted_drafts"] for o in spec.outputs)
+    assert any(o.finish_reason == "stop" and o.spec.num_accepted_drafts for o in spec.outputs)
     alone = run(tiny_llama, prompts[8:], params[8:], **kw)
     assert alone.outputs[0].token_ids == spec.outputs[8].token_ids
 
@@ -330,8 +286,8 @@ def test_penalties_and_stops_inside_accepted_windows_stay_lossless(tiny_llama, p
 def test_a_context_gap_stops_drafting_instead_of_reading_unwritten_kv(tiny_llama, drafters):
     """Target KV that appears without a draft context leaves a gap that commit cannot fill: that request
     never drafts, the others do. (The gap is injected by hand, which the prefix cache would undo.)"""
-    engine = make_engine(tiny_llama, speculative_dspark_block_size=4, disable_radix_cache=True,
-                         **CASES["dflash"](drafters))
+    engine = make_engine(tiny_llama, speculative_block_size=4, disable_radix_cache=True,
+                         **BLOCK_CASES["dflash"](drafters))
     seen = record_proposals(engine)
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     gap, other = engine.add_request([5, 6, 7, 8, 9], params), engine.add_request([5, 6, 7, 8, 9], params)
@@ -345,13 +301,13 @@ def test_a_context_gap_stops_drafting_instead_of_reading_unwritten_kv(tiny_llama
 
 def test_dspark_measures_a_cost_table_at_startup_without_a_saved_one(tiny_llama, drafters):
     engine = make_engine(tiny_llama, speculative_algorithm="DSPARK", speculative_draft_model_path=drafters["dspark"])
-    assert engine.proposer.cost.rows == STARTUP_ROWS and engine.proposer.threshold is None
+    assert isinstance(engine.proposer.policy, BudgetPlanner) and engine.proposer.policy.cost.rows == STARTUP_ROWS
     out = drive(engine, make_prompts(2), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in out.outputs)
 
 
 def test_draft_pool_has_the_drafters_geometry(tiny_llama, drafters):
-    engine = make_engine(tiny_llama, **CASES["dflash"](drafters))
+    engine = make_engine(tiny_llama, **BLOCK_CASES["dflash"](drafters))
     assert engine.draft_pool.geometry == KVGeometry(2, 2, 16, torch.float64)
     assert engine.runner.aux_layer_ids == (0, 1)
 
@@ -367,15 +323,15 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 def test_no_page_or_state_leaks_under_random_traffic(tiny_llama, drafters, ops):
-    engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4,
-                         **CASES["dspark-threshold"](drafters))
+    engine = make_engine(tiny_llama, num_pages=12, speculative_block_size=4,
+                         **BLOCK_CASES["dspark-threshold"](drafters))
     replay_traffic(engine, ops, poison=True)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
 def test_hybrid_leaks_no_page_or_state_under_random_traffic(tiny_llama, drafters, ops):
-    engine = make_engine(tiny_llama, num_pages=12, speculative_dspark_block_size=4, **CASES["dspark-hybrid"](drafters))
+    engine = make_engine(tiny_llama, num_pages=12, speculative_block_size=4, **BLOCK_CASES["dspark-hybrid"](drafters))
     replay_traffic(engine, ops, poison=True)
     assert not engine.proposer.hybrid.per_request and not engine.proposer.hybrid.pending
 
@@ -387,7 +343,7 @@ def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
     prompts = make_prompts(8, seed=11)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_new_tokens=20, ignore_eos=True)
               for i in range(8)]
-    kw = {"speculative_dspark_block_size": 4, **CASES["dspark-hybrid"](drafters)}
+    kw = {"speculative_block_size": 4, **BLOCK_CASES["dspark-hybrid"](drafters)}
     engine = make_engine(tiny_llama, **kw)
     seen = record_proposals(engine)
     spec = drive(engine, prompts, params)
@@ -408,21 +364,4 @@ def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
 
 def test_hybrid_needs_dspark(tiny_llama, drafters):
     with pytest.raises(ValueError, match="--speculative-ngram-hybrid needs DSPARK"):
-        make_engine(tiny_llama, **CASES["dflash"](drafters), speculative_ngram_hybrid=True)
-
-
-def test_row_means_pull_towards_the_prior_and_fill_unseen_rows():
-    means = RowMeans()
-    assert means.means(3, 0.5, 2.0) == [0.5, 0.5, 0.5]
-    means.add([1.0, 0.2])
-    means.add([0.0])
-    assert means.means(3, 0.5, 2.0) == pytest.approx([(1.0 + 1.0) / 4, (0.2 + 1.0) / 3, 0.5])
-    assert means.means(1, 0.5, 2.0) == pytest.approx([0.5])
-
-
-def test_row_means_count_a_verified_window_up_to_its_first_rejection():
-    means = RowMeans()
-    means.add_verified(num_verified=4, num_accepted=2)    # rows 0, 1 accepted, row 2 rejected, row 3 unreached
-    means.add_verified(num_verified=2, num_accepted=2)    # both accepted, nothing rejected
-    assert means.sums == [2.0, 2.0, 0.0] and means.counts == [2, 2, 1]
-
+        make_engine(tiny_llama, **BLOCK_CASES["dflash"](drafters), speculative_ngram_hybrid=True)

@@ -1,12 +1,12 @@
-"""Verify-window planning: hand-computed budgets, batch-size behaviour, the threshold policy, cost tables."""
+"""Verify-window planning: hand-computed budgets, batch-size behaviour, the threshold policy, per-row means."""
 import itertools
-import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.spec.budget import CostTable, pick_order, plan_budget, plan_threshold, survivals
+from specserve.speculative.cost_table import CostTable
+from specserve.speculative.windows import RowMeans, pick_order, plan_budget, plan_threshold, survivals
 
 FLAT = CostTable((1, 64), (0.01, 0.01))
 STEEP = CostTable((1, 2), (1.0, 3.0))            # each extra row costs twice a whole forward
@@ -139,65 +139,18 @@ def test_threshold_outside_unit_interval_is_rejected():
         plan_threshold([[0.5]], 1.5)
 
 
-# ---------------------------------------------------------------------------------- CostTable
-def test_time_interpolates_and_extrapolates():
-    cost = CostTable((2, 4, 8), (1.0, 2.0, 2.0))
-    assert cost.time(1) == 1.0                     # never below the first point
-    assert cost.time(2) == 1.0
-    assert cost.time(3) == pytest.approx(1.5)
-    assert cost.time(6) == pytest.approx(2.0)
-    assert cost.time(16) == pytest.approx(2.0)     # last segment is flat
-    assert LINEAR.time(9) == pytest.approx(3.0)
+# ---------------------------------------------------------------------------------- RowMeans
+def test_row_means_pull_towards_the_prior_and_fill_unseen_rows():
+    means = RowMeans()
+    assert means.means(3, 0.5, 2.0) == [0.5, 0.5, 0.5]
+    means.add([1.0, 0.2])
+    means.add([0.0])
+    assert means.means(3, 0.5, 2.0) == pytest.approx([(1.0 + 1.0) / 4, (0.2 + 1.0) / 3, 0.5])
+    assert means.means(1, 0.5, 2.0) == pytest.approx([0.5])
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 100), st.floats(1e-4, 1.0)), min_size=2, max_size=8,
-                unique_by=lambda p: p[0]))
-def test_measured_tables_are_monotone_and_never_above_the_measurements(points):
-    rows, seconds = zip(*points)
-    cost = CostTable.measured(rows, seconds)
-    assert list(cost.rows) == sorted(rows)
-    times = [cost.time(r) for r in range(0, 150)]
-    assert all(a <= b for a, b in zip(times, times[1:]))
-    for r, s in points:
-        assert cost.time(r) <= s
-
-
-def test_measured_lowers_noisy_points_to_later_ones():
-    cost = CostTable.measured([8, 1, 4, 2], [0.3, 0.1, 0.5, 0.2])
-    assert cost.rows == (1, 2, 4, 8)
-    assert cost.seconds == (0.1, 0.2, 0.3, 0.3)
-
-
-@pytest.mark.parametrize("rows, seconds, message", [
-    ((1, 2), (0.1,), "2 row counts but 1 timings"),
-    ((1,), (0.1,), "at least two points"),
-    ((0, 2), (0.1, 0.2), "integers >= 1"),
-    ((2, 2), (0.1, 0.2), "strictly increasing"),
-    ((1, 2), (0.1, float("inf")), "finite and > 0"),
-    ((1, 2), (0.2, 0.1), "must not fall"),
-])
-def test_invalid_tables_say_what_is_wrong(rows, seconds, message):
-    with pytest.raises(ValueError, match=message):
-        CostTable(rows, seconds)
-
-
-def test_save_load_round_trip(tmp_path):
-    cost = CostTable((1, 8, 32), (0.04, 0.07, 0.16), model="m", dtype="float32")
-    path = tmp_path / "sub" / "cost.json"
-    cost.save(path)
-    assert CostTable.load(path) == cost
-    data = json.loads(path.read_text())
-    assert data["cpu"] and data["threads"] >= 1
-    assert cost.matches("m", "float32")
-    assert not cost.matches("m", "float64") and not cost.matches("other", "float32")
-
-
-def test_loading_a_broken_file_names_it(tmp_path):
-    path = tmp_path / "cost.json"
-    path.write_text(json.dumps({"rows": [1, 2]}))
-    with pytest.raises(ValueError, match="cost.json is not a valid cost table"):
-        CostTable.load(path)
-    path.write_text(json.dumps({"rows": [1, 2], "seconds": [0.2, 0.1]}))
-    with pytest.raises(ValueError, match="must not fall"):
-        CostTable.load(path)
+def test_row_means_count_a_verified_window_up_to_its_first_rejection():
+    means = RowMeans()
+    means.add_verified(num_verified=4, num_accepted=2)    # rows 0, 1 accepted, row 2 rejected, row 3 unreached
+    means.add_verified(num_verified=2, num_accepted=2)    # both accepted, nothing rejected
+    assert means.sums == [2.0, 2.0, 0.0] and means.counts == [2, 2, 1]

@@ -17,11 +17,12 @@ from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.models import ARCHITECTURES
 from specserve.models.llama import LlamaModel
 from specserve.sampling import Purpose
+from specserve.speculative import DraftJob
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
     from specserve.runner import ForwardOutput
-    from specserve.spec import TargetInfo
+    from specserve.speculative import TargetInfo
 
 
 def check_same_vocabulary(target: TargetInfo, draft: LoadedCheckpoint) -> None:
@@ -36,11 +37,11 @@ def check_same_vocabulary(target: TargetInfo, draft: LoadedCheckpoint) -> None:
                          "STANDALONE needs a drafter with the target's tokenizer")
 
 
-def choose_drafts(jobs: list[tuple[int, Request, int]], logits: torch.Tensor,   # [len(jobs), vocab]
+def choose_drafts(jobs: list[DraftJob], logits: torch.Tensor,   # [len(jobs), vocab]
                   drafts: list[list[int]], probs: list[list[torch.Tensor]], generator: torch.Generator) -> None:
-    """Append one draft per job (plan index, request, drafts wanted): the argmax for greedy requests, else
-    a sample from the drafter's distribution under the request's own filters, kept as q for the verifier.
-    `generator` serves unseeded sampled requests."""
+    """Append one draft per job to drafts[job.index]: the argmax for greedy requests, else a sample from the
+    drafter's distribution under the request's own filters, kept as q for the verifier. `generator` serves
+    unseeded sampled requests."""
     for row, (i, req, _) in enumerate(jobs):
         p = req.params
         # Penalise as if the drafts so far were accepted, as the verifier will.
@@ -89,7 +90,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> Proposal:
-        jobs = [(i, s.request, min(self.k, s.max_drafts)) for i, s in enumerate(plan.scheduled)
+        jobs = [DraftJob(i, s.request, min(self.k, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0]
         if not jobs:
             return Proposal.none(len(plan.scheduled))
@@ -97,7 +98,8 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in plan.scheduled]   # q rows of sampled requests
 
         tokens, positions, spans, rows = [], [], [], []
-        for _, req, _ in jobs:
+        for job in jobs:
+            req = job.request
             start = self.context_length(req)
             tokens += req.all_token_ids[start:]
             positions += range(start, req.num_tokens)
@@ -105,15 +107,17 @@ class DraftModelProposer:
             rows.append(len(tokens) - 1)
         choose_drafts(jobs, self._forward(tokens, positions, spans, rows), drafts, probs, self.generator)
 
-        for r in range(1, max(m for *_, m in jobs)):
-            active = [job for job in jobs if job[2] > r]
-            positions = [req.num_tokens + r - 1 for _, req, _ in active]
-            spans = [SeqSpan(req.pages, pos, 1) for (_, req, _), pos in zip(active, positions)]
-            logits = self._forward([drafts[i][-1] for i, _, _ in active], positions, spans, list(range(len(active))))
+        for r in range(1, max(job.num_drafts for job in jobs)):
+            active = [job for job in jobs if job.num_drafts > r]
+            positions = [job.request.num_tokens + r - 1 for job in active]
+            spans = [SeqSpan(job.request.pages, pos, 1) for job, pos in zip(active, positions)]
+            logits = self._forward([drafts[job.index][-1] for job in active], positions, spans,
+                                   list(range(len(active))))
             choose_drafts(active, logits, drafts, probs, self.generator)
 
-        for _, req, m in jobs:
-            self.num_valid[req.request_id] = req.num_tokens + m - 1   # the last draft is never fed
+        for job in jobs:
+            # the last draft is never fed
+            self.num_valid[job.request.request_id] = job.request.num_tokens + job.num_drafts - 1
         return Proposal(tuple(map(tuple, drafts)), tuple(torch.stack(p) if p else None for p in probs))
 
     def _forward(self, tokens: list[int], positions: list[int], spans: list[SeqSpan],

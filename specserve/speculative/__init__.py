@@ -1,4 +1,6 @@
-"""Speculative decoding: the proposer protocol, the registry, and the shared verifier (verify.py).
+"""Speculative decoding: the proposer protocol and registry (here), the shared verifier (verify.py), the
+proposers (ngram.py, draft_model.py, eagle_proposer.py, block_proposer.py), verify-window policies
+(windows.py) and the target's cost table (cost_table.py).
 
 A proposer drafts tokens for the scheduled requests (`propose`), and after the engine has committed
 a step it learns what was accepted (`commit`), with the target's hidden states of that forward.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -33,6 +35,15 @@ class TargetInfo:
     config: ModelConfig
     tokenizer: object
     dtype: torch.dtype
+    source: str            # where the checkpoint came from (a path, or a name for one built in memory)
+    page_size: int         # of the engine's KV pools
+
+
+class DraftJob(NamedTuple):
+    """A request that drafts this step: its index in the plan and how many drafts it may propose."""
+    index: int
+    request: Request
+    num_drafts: int
 
 
 class Proposer(Protocol):
@@ -45,6 +56,30 @@ class Proposer(Protocol):
     def propose(self, plan: StepPlan) -> Proposal: ...
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None: ...
     def release(self, req: Request) -> None: ...
+
+
+class NoProposer:
+    """Plain decoding: no drafts, no draft state."""
+    kv_geometry: KVGeometry | None = None
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def attach_pool(self, pool: KVPool) -> None:
+        raise TypeError("plain decoding keeps no draft KV")
+
+    def draft_slots(self, req: Request) -> int:
+        return 0
+
+    def context_length(self, req: Request) -> int:
+        return req.num_computed_tokens
+
+    def propose(self, plan: StepPlan) -> Proposal:
+        return Proposal.none(len(plan.scheduled))
+
+    def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass
 
 
 class CommittedContext:
@@ -65,13 +100,13 @@ class CommittedContext:
 # `build(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> Proposer`
 # where `draft` is an already loaded draft model (tests, embedding); otherwise spec.draft_model_path is loaded.
 PROPOSERS = {
-    "NGRAM": "specserve.spec.ngram:NgramProposer",
-    "STANDALONE": "specserve.spec.draft_model:DraftModelProposer",
-    "EAGLE": "specserve.spec.eagle:EagleProposer",
-    "DFLASH": "specserve.spec.block_drafter:BlockDrafterProposer",
-    "DSPARK": "specserve.spec.block_drafter:BlockDrafterProposer",
+    "NGRAM": "specserve.speculative.ngram:NgramProposer",
+    "STANDALONE": "specserve.speculative.draft_model:DraftModelProposer",
+    "EAGLE": "specserve.speculative.eagle_proposer:EagleProposer",
+    "DFLASH": "specserve.speculative.block_proposer:BlockDrafterProposer",
+    "DSPARK": "specserve.speculative.block_proposer:BlockDrafterProposer",
 }
-# Block drafters (DFLASH, DSPARK) draft --speculative-dspark-block-size tokens and ignore this number.
+# Block drafters (DFLASH, DSPARK) draft --speculative-block-size tokens and ignore this number.
 DEFAULT_DRAFT_TOKENS = {"NGRAM": 4, "STANDALONE": 4, "EAGLE": 3, "DFLASH": 8, "DSPARK": 8}
 
 
@@ -97,11 +132,11 @@ def validate_spec(spec: SpecConfig) -> SpecConfig:
     return SpecConfig(**{**spec.__dict__, "algorithm": algorithm, "num_draft_tokens": k})
 
 
-def build_proposer(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None = None) -> Proposer | None:
+def build_proposer(spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None = None) -> Proposer:
     if draft is not None and not spec.draft_model_path:
         spec = SpecConfig(**{**spec.__dict__, "draft_model_path": draft.source})
     spec = validate_spec(spec)
     if spec.algorithm == "NONE":
-        return None
+        return NoProposer()
     module, cls = PROPOSERS[spec.algorithm].split(":")
     return getattr(importlib.import_module(module), cls).build(spec, target, draft)

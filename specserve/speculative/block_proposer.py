@@ -1,0 +1,199 @@
+"""DFLASH and DSPARK: the block drafter (models/block_drafter.py) as a proposer.
+
+The draft context holds committed tokens only: `commit` writes the context K/V of the tokens a step
+committed (the fed tokens and the accepted drafts) from the target's hidden states of that forward.
+A request drafts when its context reaches its anchor (the last token, whose target KV does not exist
+yet): then one batched non-causal forward runs every drafting request's block of gamma rows at
+positions anchor .. anchor+gamma-1. The block writes its K/V into those slots of the draft pool; they
+are past the context, and each becomes context only when commit overwrites it. The first sampling
+step after a prefill (or a recompute after preemption) therefore drafts nothing.
+
+Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify
+window of at most gamma + 1 rows. DFLASH verifies all of them; DSPARK applies its Markov head row by
+row with the drafted previous token and sizes each window from its confidences (windows.py: the budget
+planner by default, which also skips blocks that would not pay, or a survival threshold). With
+--speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request and verifies it
+instead when its expected accepted length is larger (ngram.NgramHybrid); requests whose block may not
+run yet draft n-grams alone."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve import sampling
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.config import SpecConfig
+from specserve.kv_pages import KVPool, slots_for
+from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, load_token_map
+from specserve.sampling import Purpose
+from specserve.speculative import CommittedContext, DraftJob
+from specserve.speculative.cost_table import resolve_cost_table
+from specserve.speculative.ngram import NgramHybrid
+from specserve.speculative.windows import AllRows, BudgetPlanner, Candidate, Threshold, WindowPolicy
+from specserve.types import Proposal, Request, StepPlan, VerifyResult
+
+if TYPE_CHECKING:
+    from specserve.loader import LoadedCheckpoint
+    from specserve.runner import ForwardOutput
+    from specserve.speculative import TargetInfo
+
+
+class BlockDrafterProposer(CommittedContext):
+    def __init__(self, drafter: BlockDrafter, gamma: int, policy: WindowPolicy | None = None,
+                 hybrid: NgramHybrid | None = None) -> None:
+        self.drafter = drafter
+        self.gamma = gamma
+        self.policy = policy or AllRows()
+        self.hybrid = hybrid                  # DSPARK's n-gram option
+        self.aux_layer_ids = drafter.config.target_layer_ids
+        self.kv_geometry = drafter.kv_geometry
+        self.pool: KVPool | None = None
+        self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
+        self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
+
+    @classmethod
+    def build(cls, spec: SpecConfig, target: TargetInfo, draft: LoadedCheckpoint | None) -> BlockDrafterProposer:
+        flag = f"--speculative-algorithm {spec.algorithm}"
+        if draft is not None:
+            raise ValueError(f"{flag} loads its drafter from --speculative-draft-model-path (a block drafter "
+                             "folder), not from a language model checkpoint")
+        if not spec.draft_model_path:
+            raise ValueError(f"{flag} needs --speculative-draft-model-path (a block drafter folder)")
+        ckpt = BlockDrafterCheckpoint.load(spec.draft_model_path)
+        token_map = load_token_map(spec.token_map_path) if spec.token_map_path else None
+        ckpt.validate(spec.algorithm, target.config, token_map)
+        gamma = spec.block_size
+        if not 1 <= gamma <= ckpt.config.block_size:
+            raise ValueError(f"--speculative-block-size must be in [1, {ckpt.config.block_size}] "
+                             f"(the drafter's block size), got {gamma}")
+        drafter = BlockDrafter(ckpt, target.model, token_map)
+        if spec.algorithm == "DFLASH":
+            return cls(drafter, gamma)
+        hybrid = NgramHybrid(spec.ngram_min, spec.ngram_max) if spec.ngram_hybrid else None
+        if spec.dspark_confidence_threshold is not None:
+            return cls(drafter, gamma, Threshold(spec.dspark_confidence_threshold), hybrid)
+        block_cost = spec.dspark_block_cost
+        if block_cost is None:
+            block_cost = drafter.block_row_weights() / target.model.row_weights()
+        elif not block_cost >= 0.0:
+            raise ValueError(f"--speculative-dspark-block-cost must be >= 0 (a ratio of times), got {block_cost}")
+        return cls(drafter, gamma, BudgetPlanner(resolve_cost_table(spec, target), block_cost), hybrid)
+
+    def attach_pool(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def draft_slots(self, req: Request) -> int:
+        # With the n-gram option a request drafts even before its block may run.
+        return self.gamma if self.hybrid is not None or self.ready(req) else 0
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> Proposal:
+        # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
+        jobs = [DraftJob(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
+                if s.samples and s.max_drafts > 0 and self.ready(s.request)]
+        jobs = self.policy.worth_drafting(plan, jobs)
+        candidates = self._run_block(jobs) if jobs else {}     # by plan index
+        if self.hybrid is not None:
+            self.hybrid.weigh(plan, candidates, self.gamma)
+        if not candidates:
+            return Proposal.none(len(plan.scheduled))
+        windows = self.policy.windows(plan, candidates)
+        draft_tokens: list[tuple[int, ...]] = [()] * len(plan.scheduled)
+        draft_probs: list[torch.Tensor | None] = [None] * len(plan.scheduled)
+        draft_conf: list[tuple[float, ...] | None] = [None] * len(plan.scheduled)
+        for i, (d, q, c, from_ngram) in candidates.items():
+            m = windows[i]
+            draft_tokens[i] = tuple(d[:m])
+            draft_probs[i] = torch.stack(q[:m]) if q and m else None
+            draft_conf[i] = tuple(c[:m]) if c is not None else None
+            if from_ngram and m:
+                self.hybrid.verifying(plan.scheduled[i].request, m)
+        return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
+
+    def _run_block(self, jobs: list[DraftJob]) -> dict[int, Candidate]:
+        """One non-causal forward over every job's block → each job's drafts (and their q and confidences)."""
+        tokens, positions, spans = [], [], []
+        for job in jobs:
+            req, anchor = job.request, job.request.num_tokens - 1
+            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (job.num_drafts - 1)
+            positions += range(anchor, anchor + job.num_drafts)
+            spans.append(SeqSpan(req.pages, anchor, job.num_drafts, causal=False))
+        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+        hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
+        offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
+        drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
+        confidences: list[list[float] | None] = [None] * len(jobs)
+        if self.drafter.markov:
+            prev = [t for job, d in zip(jobs, drafts) for t in [job.request.all_token_ids[-1]] + d[:-1]]
+            rows = [k for job in jobs for k in range(job.num_drafts)]
+            c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
+            confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
+            for job, conf in zip(jobs, confidences):
+                self.policy.observe(job.request, conf)
+        return {job.index: Candidate(d, q, c) for job, d, q, c in zip(jobs, drafts, probs, confidences)}
+
+    def _draft(self, jobs: list[DraftJob], logits: torch.Tensor,   # [rows, V_d]
+               offsets: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Choose each job's drafts row by row (the Markov head needs the previous row's draft): the
+        argmax for greedy requests, else a sample from the drafter's distribution under the request's
+        filters, kept over the full target vocabulary (zero outside the token map) as q for the verifier."""
+        drafts: list[list[int]] = [[] for _ in jobs]
+        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        prev = torch.tensor([job.request.all_token_ids[-1] for job in jobs])
+        for k in range(max(job.num_drafts for job in jobs)):
+            active = [j for j, job in enumerate(jobs) if job.num_drafts > k]
+            scores = logits[[offsets[j] + k for j in active]]
+            if self.drafter.markov:
+                scores = scores + self.drafter.markov_logits(prev[active])
+            top = self.drafter.token_map[scores.argmax(dim=-1)].tolist()
+            for row, j in enumerate(active):
+                req = jobs[j].request
+                token = top[row]
+                if not req.params.greedy or req.params.has_penalties:
+                    token, q = self._choose(req, scores[row], drafts[j])
+                    if q is not None:
+                        probs[j].append(q)
+                drafts[j].append(token)
+                prev[j] = token
+        return drafts, probs
+
+    def _choose(self, req: Request, scores: torch.Tensor,   # [V_d]
+                drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+        p = req.params
+        full = scores.new_full((len(self.drafter.to_draft),), float("-inf"))
+        full[self.drafter.token_map] = scores
+        # Penalise as if the drafts so far were accepted, as the verifier will.
+        full = sampling.apply_penalties(full[None], p, req.prompt_token_ids, req.output_token_ids + drafts)
+        if p.greedy:
+            return sampling.greedy_tokens(full).item(), None
+        q = sampling.process(full, p)                                   # [1, vocab]
+        u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts)], Purpose.DRAFT, self.generator)
+        return sampling.sample(q, u).item(), q[0]
+
+    @torch.inference_mode()
+    def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
+        if self.hybrid is not None:
+            self.hybrid.record(plan, result)
+        rows, positions, slots = [], [], []
+        for s, offset in zip(plan.scheduled, out.token_offsets):
+            req = s.request
+            # A finished request's pages are gone; a gap in the context would never fill, so such a
+            # request stops drafting rather than attend to unwritten KV.
+            if req.finished or self.context_length(req) != s.start:
+                continue
+            end = req.num_computed_tokens
+            rows += range(offset, offset + end - s.start)
+            positions += range(s.start, end)
+            slots += slots_for(req.pages, s.start, end, self.pool.page_size)
+            self.num_valid[req.request_id] = end
+        if rows:
+            aux = torch.cat([h[rows] for h in out.aux_hidden], dim=-1)
+            self.drafter.write_context(aux, torch.tensor(positions), torch.tensor(slots), self.pool)
+
+    def release(self, req: Request) -> None:
+        self.num_valid.pop(req.request_id, None)
+        self.policy.release(req)
+        if self.hybrid is not None:
+            self.hybrid.release(req)

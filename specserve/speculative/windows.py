@@ -1,0 +1,230 @@
+"""How many drafts each request verifies (its window): every drafted row (DFLASH), a survival threshold,
+or DSPARK's budget planner, which also decides which requests run the block at all.
+
+Survival S_{i,k} = prod_{j<=k} c_{i,j} is the chance that request i's first k drafts are all
+accepted. Verifying m extra rows yields τ(m) = N + (sum of the top-m survivals) tokens in expected
+value, at the price of one target forward over all rows of the step; `plan_budget` picks the m that
+maximises τ(m) / time(rows) from a measured `CostTable`. `plan_threshold` is the simple alternative.
+
+The planner also skips the block for a request whose mean confidences so far would buy no verify row
+at this step's cost (at large batch, where extra rows cost as much as they win, the block would only be
+overhead), and drafts again to re-measure after PROBE_EVERY steps, then after twice as many each time
+the block still does not pay off (back to PROBE_EVERY once it does). Probes fall on multiples of
+PROBE_EVERY, so the skipping requests that probe share one block forward."""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from specserve.speculative import DraftJob
+from specserve.speculative.cost_table import CostTable
+from specserve.types import Request, StepPlan
+
+
+class Candidate(NamedTuple):
+    """One request's proposal before its window is sized."""
+    drafts: list[int]
+    probs: list[torch.Tensor]            # q rows the drafts were sampled from; empty: deterministic
+    confidences: list[float] | None      # per-row confidences (DSPARK's, or the n-gram rows' record)
+    from_ngram: bool = False
+
+
+class RowMeans:
+    """Running mean per draft row (row k: the k+1-th draft of a window), each pulled towards a prior
+    as if the prior had been seen `strength` times: how good a proposer has been on one request. The
+    default prior is even and weighs two observations."""
+    PRIOR, PRIOR_WEIGHT = 0.5, 2.0
+
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+        self.counts: list[int] = []
+
+    def add(self, values: list[float]) -> None:
+        """One observation for each of rows 0 .. len(values) - 1."""
+        for k, value in enumerate(values):
+            if k == len(self.sums):
+                self.sums.append(0.0)
+                self.counts.append(0)
+            self.sums[k] += value
+            self.counts[k] += 1
+
+    def add_verified(self, num_verified: int, num_accepted: int) -> None:
+        """A verified window as acceptance observations: each row that was reached (all before it
+        accepted) counts 1 if accepted, else 0."""
+        accepted = min(num_accepted, num_verified)
+        self.add([1.0] * accepted + [0.0] * (accepted < num_verified))
+
+    def means(self, rows: int, prior: float = PRIOR, strength: float = PRIOR_WEIGHT) -> list[float]:
+        """The estimates of rows 0 .. rows - 1; rows never observed are the prior."""
+        observed = [(total + strength * prior) / (count + strength)
+                    for total, count in zip(self.sums[:rows], self.counts[:rows])]
+        return observed + [prior] * (rows - len(observed))
+
+
+class WindowPolicy(Protocol):
+    def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]: ...
+    def observe(self, req: Request, confidences: list[float]) -> None: ...   # a block's confidences
+    def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]: ...  # by plan index
+    def release(self, req: Request) -> None: ...
+
+
+class AllRows:
+    """DFLASH: every request that may draft runs the block, and every drafted row is verified."""
+
+    def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]:
+        return jobs
+
+    def observe(self, req: Request, confidences: list[float]) -> None:
+        pass
+
+    def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
+        return {i: len(c.drafts) for i, c in candidates.items()}
+
+    def release(self, req: Request) -> None:
+        pass
+
+
+class Threshold(AllRows):
+    """Each window ends before the first survival below `threshold`."""
+
+    def __init__(self, threshold: float) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"--speculative-dspark-confidence-threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
+        drafting = sorted(candidates)
+        return dict(zip(drafting, plan_threshold([candidates[i].confidences for i in drafting], self.threshold)))
+
+
+class BudgetPlanner:
+    """DSPARK's default: windows that maximise expected tokens per second of the step (plan_budget), and
+    blocks only for requests whose forecast (the mean of their blocks' confidences so far) pays for them."""
+    PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
+
+    def __init__(self, cost: CostTable, relative_block_cost: float = 0.0) -> None:
+        self.cost = cost
+        # A block over r rows costs about this fraction of a target forward over r rows (by default the
+        # weights a row multiplies through, drafter against target: both stream their weights per step).
+        self.relative_block_cost = relative_block_cost
+        self.forecast: dict[str, RowMeans] = {}    # request id → the confidences of its blocks so far
+        self.probe_every: dict[str, int] = {}      # request id → steps between its probes while it skips
+        self.num_steps = 0                         # proposals planned
+
+    def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]:
+        """The jobs whose block may pay off: those the planner gives a verify row on their forecast
+        confidences, if the rows they win pay for the block's own time too, those without a forecast
+        yet, and those due to probe."""
+        forecast = {j.index: self.forecast[j.request.request_id].means(j.num_drafts) for j in jobs
+                    if j.request.request_id in self.forecast}
+        window_of = self._budget(plan, forecast) if forecast else {}
+        must, may = [], []
+        for job in jobs:
+            i, rid = job.index, job.request.request_id
+            every = self.probe_every.get(rid, self.PROBE_EVERY)
+            if i in forecast and window_of[i] > 0:
+                may.append(job)
+            elif i not in forecast or self.num_steps % every == 0:
+                must.append(job)
+                if i in forecast:
+                    self.probe_every[rid] = min(2 * every, self.MAX_PROBE_EVERY)
+        if may and not self._pays_off(plan, forecast, window_of, must, may):
+            may = []
+        for job in may:
+            self.probe_every.pop(job.request.request_id, None)
+        self.num_steps += 1
+        return sorted(must + may)
+
+    def observe(self, req: Request, confidences: list[float]) -> None:
+        # The forecast is the mean over the request's blocks, not its last block: one unsure token must
+        # not stop the next block.
+        self.forecast.setdefault(req.request_id, RowMeans()).add(confidences)
+
+    def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
+        window_of = self._budget(plan, {i: c.confidences for i, c in candidates.items()})
+        return {i: window_of[i] for i in candidates}
+
+    def release(self, req: Request) -> None:
+        self.forecast.pop(req.request_id, None)
+        self.probe_every.pop(req.request_id, None)
+
+    def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
+                  must: list[DraftJob], may: list[DraftJob]) -> bool:
+        """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block rows."""
+        def block_time(rows: int) -> float:
+            return self.relative_block_cost * self.cost.time(rows) if rows else 0.0
+
+        emitting = sum(s.samples for s in plan.scheduled)
+        fed = sum(s.num_feed for s in plan.scheduled)
+        gain = sum(sum(survivals(forecast[j.index])[:window_of[j.index]]) for j in may)
+        must_rows = sum(j.num_drafts for j in must)
+        without = emitting / (self.cost.time(fed) + block_time(must_rows))
+        with_may = (emitting + gain) / (self.cost.time(fed + sum(window_of[j.index] for j in may))
+                                        + block_time(must_rows + sum(j.num_drafts for j in may)))
+        return with_may > without
+
+    def _budget(self, plan: StepPlan, confidences: dict[int, list[float]]) -> dict[int, int]:
+        """The planner's drafts to verify per sampling request (by plan index) of this step, given the
+        confidences of those that draft. Every sampling request emits a token and pays for its fed rows;
+        prefill chunks that do not sample yet only cost time."""
+        sampling_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
+        windows = plan_budget([confidences.get(i, []) for i in sampling_idx], self.cost,
+                              [plan.scheduled[i].num_feed for i in sampling_idx],
+                              sum(s.num_feed for s in plan.scheduled if not s.samples))
+        return dict(zip(sampling_idx, windows))
+
+
+def survivals(confidences: list[float]) -> list[float]:
+    """S_k = c_1 * ... * c_k: the chance that the first k drafts are all accepted."""
+    out, s = [], 1.0
+    for k, c in enumerate(confidences, 1):
+        if not 0.0 <= c <= 1.0:
+            raise ValueError(f"draft confidence {k} is {c!r}, must be a probability in [0, 1]")
+        s *= c
+        out.append(s)
+    return out
+
+
+def pick_order(confidences: list[list[float]]) -> list[tuple[float, int, int]]:
+    """Every draft as (survival, k, request), best first. Ties go to the smaller k, so with
+    survivals non-increasing along k the top m of this order is a prefix of each request's drafts."""
+    ranked = [(s, k, i) for i, conf in enumerate(confidences) for k, s in enumerate(survivals(conf), 1)]
+    ranked.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return ranked
+
+
+def plan_budget(confidences: list[list[float]], cost: CostTable, base_rows: list[int] | None = None,
+                other_rows: int = 0) -> list[int]:
+    """Drafts to verify per request, maximising expected tokens per second of the step.
+
+    `confidences[i]` holds request i's per-draft confidences; each request always feeds its
+    `base_rows[i]` rows (1: the anchor; a prefill chunk that ends in sampling: the chunk) and
+    emits at least one token. `other_rows` are rows of the same forward that emit nothing
+    (prefill chunks that do not sample yet): they cost time but add no tokens."""
+    n = len(confidences)
+    base = [1] * n if base_rows is None else list(base_rows)
+    if len(base) != n:
+        raise ValueError(f"base_rows has {len(base)} entries for {n} requests")
+    if any(b < 1 for b in base) or other_rows < 0:
+        raise ValueError(f"base rows must be >= 1 per request and other rows >= 0, got {base} and {other_rows}")
+    ranked = pick_order(confidences)
+    fixed_rows = sum(base) + other_rows
+    expected = float(n)
+    best_m, best_rate = 0, expected / cost.time(fixed_rows)
+    for m, (s, _, _) in enumerate(ranked, 1):
+        expected += s
+        rate = expected / cost.time(fixed_rows + m)
+        if rate > best_rate:     # strict: on a tie the fewer rows win
+            best_m, best_rate = m, rate
+    windows = [0] * n
+    for _, _, i in ranked[:best_m]:
+        windows[i] += 1
+    return windows
+
+
+def plan_threshold(confidences: list[list[float]], threshold: float) -> list[int]:
+    """Drafts to verify per request: each window ends before the first survival below `threshold`."""
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"confidence threshold must be in [0, 1], got {threshold!r}")
+    return [sum(s >= threshold for s in survivals(conf)) for conf in confidences]
