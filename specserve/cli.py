@@ -106,7 +106,8 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def add_profile_args(parser: argparse.ArgumentParser) -> None:
     from specserve.speculative.cost_table import DEFAULT_ROWS
 
-    add_engine_args(parser, only=("--model-path", "--dtype", "--threads", "--page-size"))
+    add_engine_args(parser, only=("--model-path", "--dtype", "--quantization", "--kv-cache-dtype", "--threads",
+                                  "--page-size"))
     parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS),
                         help="total rows per forward to time")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row count (the best is kept)")
@@ -120,14 +121,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specserve.engine import LLM
-    from specserve.speculative.cost_table import default_cost_table_path, measure_cost_table, model_key
+    from specserve.speculative.cost_table import default_cost_table_path, measure_cost_table, model_key, numerics
 
     # One page suffices: the engine's own pool is unused, measurement builds a scratch pool.
     engine = LLM(args.model_path, dtype=args.dtype, num_threads=args.num_threads, page_size=args.page_size,
-                 num_pages=1).engine
+                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, num_pages=1).engine
     table = measure_cost_table(engine.model, args.page_size, rows=args.rows, repeats=args.repeats,
-                               context=args.context, window=args.window)
-    out = Path(args.out) if args.out else default_cost_table_path(model_key(args.model_path), args.dtype)
+                               context=args.context, window=args.window, kv_dtype=engine.pool.geometry.dtype)
+    out = Path(args.out) if args.out else default_cost_table_path(model_key(args.model_path), numerics(engine.model))
     table.save(out)
     print(f"{table.model} {table.dtype}, {table.threads} threads, {table.cpu}")
     for rows, seconds in zip(table.rows, table.seconds):

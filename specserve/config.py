@@ -48,6 +48,10 @@ class CacheConfig:
     num_pages: int | None = None         # overrides memory_bytes when set (tests)
     disable_radix_cache: bool = field(default=False, metadata=flag(
         "--disable-radix-cache", help="turn off prefix reuse across requests"))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "--kv-cache-dtype", help="auto | float32 | float64: the target's KV cache and attention (auto: float64 with "
+                                 "int8 weights, so attention gives a row the same bits in any batch or verify window; "
+                                 "else the compute dtype)"))
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,10 @@ class EngineConfig:
         "--model-path", help="GGUF file, HF folder or fetch-model name (default: embedded SmolLM2-135M-Instruct)"))
     dtype: str = field(default="float32", metadata=flag(
         "--dtype", help="compute dtype: float32 (fastest on CPUs without bf16 units) or float64"))
+    quantization: str | None = field(default=None, metadata=flag(
+        "--quantization", help="none | int8: int8 weights per output channel and int8 activations per token in "
+                               "every linear (default: int8 when the checkpoint stores quantized weights, as a "
+                               "Q4/Q8 GGUF does; none otherwise)"))
     seed: int = 0
     num_threads: int | None = field(default=None, metadata=flag("--threads", help="torch CPU threads"))
     cache: CacheConfig = field(default_factory=CacheConfig)

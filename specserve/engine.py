@@ -22,6 +22,7 @@ from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, spli
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.models import ARCHITECTURES, DTYPES
+from specserve.quantization import QUANTIZATIONS
 from specserve.radix_cache import RadixCache
 from specserve.runner import ForwardOutput, ModelRunner
 from specserve.scheduler import Scheduler
@@ -44,13 +45,20 @@ class Engine:
         ckpt = checkpoint or load_checkpoint(config.model_path, dtype)
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype)
+        quantization = config.quantization or ("int8" if ckpt.quantized else "none")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        log.info("quantization: %s%s", quantization, "" if config.quantization else
+                 f" (the default for {'quantized' if ckpt.quantized else 'unquantized'} weights)")
+        self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype,
+                                                             quantization=quantization)
 
         cache = config.cache
-        target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size)
+        kv_dtype = self._kv_dtype(cache.kv_cache_dtype, quantization, dtype)
+        target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
         self.proposer = build_proposer(config.spec, target, draft_checkpoint)
 
-        geometries = [KVGeometry.of(ckpt.config, dtype)]
+        geometries = [KVGeometry.of(ckpt.config, kv_dtype)]
         if self.proposer.kv_geometry is not None:
             geometries.append(self.proposer.kv_geometry)
         num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, geometries)
@@ -75,6 +83,17 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
+
+    @staticmethod
+    def _kv_dtype(name: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
+        """--kv-cache-dtype: auto is float64 under int8 weights. int8 rounding turns the last bits of a float32
+        attention (which differ between a decode step and a verify window) into whole quantization steps, and
+        speculation would then stop reproducing plain decoding; in float64 those bits never reach float32."""
+        if name == "auto":
+            return torch.float64 if quantization == "int8" else dtype
+        if name not in ("float32", "float64"):
+            raise ValueError(f"--kv-cache-dtype must be auto, float32 or float64, got {name!r}")
+        return DTYPES[name]
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,

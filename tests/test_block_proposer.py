@@ -76,6 +76,11 @@ def plain(tiny_llama) -> Run:
 
 
 @pytest.fixture(scope="module")
+def plain_int8(tiny_llama) -> Run:
+    return run(tiny_llama, PROMPTS, GREEDY, quantization="int8", **MATRIX_ENGINE)
+
+
+@pytest.fixture(scope="module")
 def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("drafters")
     ckpts = {
@@ -98,8 +103,9 @@ def drive(engine: Engine, prompts, params, poison: bool = True) -> Run:
 @pytest.fixture(scope="module")
 def spec_run(tiny_llama, drafters):
     @functools.cache
-    def go(case: str, gamma: int, batch: int):
-        engine = make_engine(tiny_llama, speculative_block_size=gamma, **MATRIX_ENGINE, **BLOCK_CASES[case](drafters))
+    def go(case: str, gamma: int, batch: int, quantization: str = "none"):
+        engine = make_engine(tiny_llama, speculative_block_size=gamma, quantization=quantization, **MATRIX_ENGINE,
+                             **BLOCK_CASES[case](drafters))
         context, seen = capture_draft_context(engine), record_proposals(engine)
         return drive(engine, PROMPTS[:batch], GREEDY[:batch]), context, seen
     return go
@@ -111,6 +117,16 @@ def spec_run(tiny_llama, drafters):
 def test_greedy_block_drafting_is_lossless(plain, spec_run, case, gamma, batch):
     spec, *_ = spec_run(case, gamma, batch)
     assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))
+    assert_stats_consistent(spec, gamma)
+    assert_pages_released(spec.engine)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold", "dspark-hybrid"])
+def test_greedy_block_drafting_is_lossless_with_int8(plain_int8, spec_run, case, gamma, batch):
+    spec, *_ = spec_run(case, gamma, batch, "int8")
+    assert_same_as_plain(spec, Run(plain_int8.outputs[:batch], plain_int8.kv, plain_int8.engine))
     assert_stats_consistent(spec, gamma)
     assert_pages_released(spec.engine)
 

@@ -65,7 +65,7 @@ def test_model_key_hashes_a_file_by_content(monkeypatch, tmp_path):
 
 
 def target_info(model: LlamaModel, source: str, page_size: int = 16) -> TargetInfo:
-    return TargetInfo(model, model.config, None, model.dtype, source, page_size)
+    return TargetInfo(model, model.config, None, model.dtype, source, page_size, model.dtype)
 
 
 def test_the_planner_finds_the_table_saved_for_its_model(tiny_model, tmp_path, monkeypatch):

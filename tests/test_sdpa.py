@@ -55,3 +55,24 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_
         ref = reference(q[off:off + new], full_k, full_v, cached, causal)
         torch.testing.assert_close(out[off:off + new], ref, rtol=1e-10, atol=1e-10)
         off += new
+
+
+@pytest.mark.parametrize("pages, first_slot", [([2, 3, 4], 8), ([2, 4, 3], None)])
+def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_in_the_pools_dtype(pages, first_slot):
+    """Consecutive pages are read without a gathered copy; either way the result is the reference's. A float32
+    query against a float64 pool is attended in float64 and comes back as float32."""
+    torch.manual_seed(1)
+    page_size, heads, kv_heads, d, cached = 4, 4, 2, 8, 9
+    pool = KVPool(KVGeometry(1, kv_heads, d, torch.float64), 6, page_size)
+    pool.fill_pages(list(range(6)), float("nan"))
+    k, v = torch.randn(cached + 2, kv_heads, d), torch.randn(cached + 2, kv_heads, d)
+    pool.write(0, AttentionMetadata.build([SeqSpan(pages, 0, cached)], page_size, pool.null_slot).slot_mapping,
+               k[:cached].double(), v[:cached].double())
+    for new in (1, 2):                       # a decode step (no mask needed) and a window of two
+        meta = AttentionMetadata.build([SeqSpan(pages, cached, new)], page_size, pool.null_slot)
+        assert meta.chunks[0].first_slot == first_slot and (meta.chunks[0].mask is None) == (new == 1)
+        q = torch.randn(new, heads, d)
+        out = paged_attention(q, k[cached:cached + new], v[cached:cached + new], 0, pool, meta, d ** -0.5)
+        assert out.dtype == torch.float32
+        ref = reference(q.double(), k[:cached + new].double(), v[:cached + new].double(), cached, True)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specserve.quantization import QUANTIZATIONS
 from specserve.types import SamplingParams
 from tests.spec_harness import (
     BATCHES,
@@ -33,8 +34,9 @@ from tests.spec_harness import (
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    """Plain decoding of all 16 prompts; each request's result does not depend on its batch."""
-    return run(tiny_llama, PROMPTS, GREEDY, **MATRIX_ENGINE)
+    """Plain decoding of all 16 prompts per quantization; each request's result does not depend on its batch."""
+    return functools.cache(lambda quantization: run(tiny_llama, PROMPTS, GREEDY, quantization=quantization,
+                                                    **MATRIX_ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +47,20 @@ def spec_kwargs(tiny_llama):
 @pytest.fixture(scope="module")
 def spec_run(tiny_llama, spec_kwargs):
     @functools.cache
-    def go(case: str, k: int, batch: int, poison: bool = True):
+    def go(case: str, k: int, batch: int, poison: bool = True, quantization: str = "none"):
         return run(tiny_llama, PROMPTS[:batch], GREEDY[:batch], poison=poison, speculative_num_draft_tokens=k,
-                   **MATRIX_ENGINE, **spec_kwargs(case))
+                   quantization=quantization, **MATRIX_ENGINE, **spec_kwargs(case))
     return go
 
 
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("case", LOSSLESS_CASES)
-def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch):
-    spec = spec_run(case, k, batch)
-    assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))
+def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch, quantization):
+    spec = spec_run(case, k, batch, quantization=quantization)
+    want = plain(quantization)
+    assert_same_as_plain(spec, Run(want.outputs[:batch], want.kv, want.engine))
     assert_stats_consistent(spec, k)
     assert_pages_released(spec.engine)
 

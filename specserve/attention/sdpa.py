@@ -28,9 +28,12 @@ class AttentionChunk:
     num_tokens: int
     gather_slots: torch.Tensor     # [batch, max_kv] slots read per sequence (padding → the zero page)
     query_slot: torch.Tensor       # [num_tokens] index of each token in the padded [batch * max_q] queries
-    mask: torch.Tensor             # [batch, 1, max_q, max_kv] True = may attend
+    mask: torch.Tensor | None      # [batch, 1, max_q, max_kv] True = may attend; None: every row sees every key
     batch: int
     max_q: int
+    # A lone sequence whose K/V slots are consecutive (its pages were handed out in a row) is read in place
+    # from this slot on, without gathering a copy: at a 4k context the copy cost more than the attention.
+    first_slot: int | None = None
 
     @staticmethod
     def build(spans: list[SeqSpan], token_start: int, page_size: int,
@@ -56,7 +59,15 @@ class AttentionChunk:
             else:
                 mask[b, 0, : s.num_new, :kv_len] = True
         num_tokens = sum(s.num_new for s in spans)
-        return AttentionChunk(token_start, num_tokens, gather, torch.cat(query_slot), mask, batch, max_q), slot_mapping
+        first_slot = None
+        if batch == 1:
+            used = spans[0].pages[:-(-max_kv // page_size)]
+            if used == list(range(used[0], used[0] + len(used))):
+                first_slot = used[0] * page_size
+            if spans[0].num_new == 1 or not spans[0].causal:
+                mask = None
+        chunk = AttentionChunk(token_start, num_tokens, gather, torch.cat(query_slot), mask, batch, max_q, first_slot)
+        return chunk, slot_mapping
 
 
 @dataclass(frozen=True)
@@ -96,20 +107,31 @@ GROUPED_MAX_Q = 16
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] → [num_tokens, heads * head_dim]
-    pool.write(layer, meta.slot_mapping, k, v)
-    outs = [_attend_chunk(q[c.token_start:c.token_start + c.num_tokens], layer, pool, c, scale) for c in meta.chunks]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    """Attention in the pool's dtype (a float64 pool makes a row's result independent of the rows beside it
+    to float64 rounding). q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
+    → [num_tokens, heads * head_dim] in q's dtype."""
+    kv_dtype = pool.geometry.dtype
+    pool.write(layer, meta.slot_mapping, k.to(kv_dtype), v.to(kv_dtype))
+    q_kv = q.to(kv_dtype)
+    outs = [_attend_chunk(q_kv[c.token_start:c.token_start + c.num_tokens], layer, pool, c, scale)
+            for c in meta.chunks]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(q.dtype)
 
 
 def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
                   layer: int, pool: KVPool, chunk: AttentionChunk, scale: float) -> torch.Tensor:
     num_tokens, heads, head_dim = q.shape
-    # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
-    flat = chunk.gather_slots.view(-1)
     kv_shape = (chunk.batch, -1, pool.geometry.num_kv_heads, head_dim)
-    keys = pool.k[layer].index_select(0, flat).view(kv_shape).transpose(1, 2)   # [batch, kv_heads, max_kv, head_dim]
-    values = pool.v[layer].index_select(0, flat).view(kv_shape).transpose(1, 2)
+    if chunk.first_slot is not None:
+        span = slice(chunk.first_slot, chunk.first_slot + chunk.gather_slots.shape[1])
+        keys, values = pool.k[layer][span], pool.v[layer][span]
+    else:
+        # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
+        flat = chunk.gather_slots.view(-1)
+        keys, values = pool.k[layer].index_select(0, flat), pool.v[layer].index_select(0, flat)
+    keys = keys.view(kv_shape).transpose(1, 2)                   # [batch, kv_heads, max_kv, head_dim]
+    values = values.view(kv_shape).transpose(1, 2)
     # Every sequence with max_q new tokens (decode steps, equal windows): the flat rows are the padded layout.
     unpadded = num_tokens == chunk.batch * chunk.max_q
     if unpadded:
@@ -128,7 +150,7 @@ def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
 
 
 def _grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+                       mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Several queries per sequence: the query heads sharing a K/V head become rows of one query
     block (heads × positions). SDPA's CPU kernel ran ~2x slower per call once a sequence had more than
     one query row (4 sequences × 2 rows: 280 us, against 150 us grouped and 140 us for 1 row).
@@ -139,7 +161,8 @@ def _grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.
     group = heads // kv_heads
     q = queries.view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, kv_heads, group * max_q, head_dim)
-    m = mask[:, :, None].expand(batch, 1, group, max_q, max_kv).reshape(batch, 1, group * max_q, max_kv)
+    m = None if mask is None else mask[:, :, None].expand(batch, 1, group, max_q, max_kv).reshape(
+        batch, 1, group * max_q, max_kv)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scale)
     out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch * max_q, heads * head_dim)

@@ -54,6 +54,10 @@ def entry_dir(path: str | Path, dtype: torch.dtype) -> Path:
     return cache_root() / file_sha256(path)[:16] / str(dtype).removeprefix("torch.")
 
 
+# What the GGUF said that a Hugging Face folder cannot: whether its weights were quantized.
+SOURCE_FILE = "source.json"
+
+
 def save_entry(ckpt: LoadedCheckpoint, entry: Path) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
@@ -61,6 +65,7 @@ def save_entry(ckpt: LoadedCheckpoint, entry: Path) -> None:
         save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(hf_config(ckpt.config), indent=2))
         ckpt.tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"quantized": ckpt.quantized}))
         tmp.rename(entry)  # atomic; fails harmlessly if a concurrent load got there first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -70,9 +75,10 @@ def load_gguf_cached(path: str, dtype: torch.dtype = torch.float32) -> LoadedChe
     entry = entry_dir(path, dtype)
     if entry.is_dir():
         try:
-            return replace(load_folder(entry, dtype), source=path)
-        except ModelLoadError:
-            shutil.rmtree(entry, ignore_errors=True)  # a damaged entry is rebuilt from the GGUF below
+            quantized = json.loads((entry / SOURCE_FILE).read_text())["quantized"]
+            return replace(load_folder(entry, dtype), source=path, quantized=quantized)
+        except (ModelLoadError, OSError, ValueError, KeyError):
+            shutil.rmtree(entry, ignore_errors=True)  # a damaged or older entry is rebuilt from the GGUF below
     ckpt = gguf_loader.load_gguf(path, dtype)
     try:
         save_entry(ckpt, entry)

@@ -29,6 +29,7 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     source: str
+    quantized: bool = False        # the source stores quantized weights (a GGUF's Q4_*, Q8_0, K-quants)
 
 
 def expected_weight_names(config: ModelConfig) -> set[str]:

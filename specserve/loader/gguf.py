@@ -111,4 +111,11 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint
     reader = open_reader(path)
     config = read_config(reader, path)
     weights = read_weights(reader, config, path, dtype)
-    return LoadedCheckpoint(config=config, weights=weights, tokenizer=load_tokenizer(path), source=path)
+    return LoadedCheckpoint(config=config, weights=weights, tokenizer=load_tokenizer(path), source=path,
+                            quantized=is_quantized(reader))
+
+
+def is_quantized(reader: gguf.GGUFReader) -> bool:
+    """Whether any matrix is stored in a quantized type (not F32, F16 or BF16)."""
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    return any(t.tensor_type not in plain for t in reader.tensors)

@@ -34,7 +34,7 @@ from specserve.models.drafter_checkpoint import (
     read_drafter_folder,
     save_drafter_folder,
 )
-from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
+from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
 from specserve.models.llama import LlamaModel
 
 ARCHITECTURE = "BlockDrafter"
@@ -198,22 +198,29 @@ class BlockDrafter:
                              c.rms_norm_eps, c.rope_theta, t.max_position_embeddings, qk_norm=c.qk_norm,
                              name=f"{c.algorithm} drafter")
         w = {k: v.to(dtype) for k, v in ckpt.weights.items() if k != "token_map"}
+        quantization = target.quantization
         # The target's head, shared (prepacked once), or its rows of the draft vocabulary: [V_d, hidden]
-        head = target.head if token_map is None else Linear(target.lm_head.t()[token_map.long()], plain_single_row=True)
-        self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed}, dtype, shared_head=head)
+        head = target.head if token_map is None else target.head.rows(token_map.long())
+        self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed}, dtype, shared_head=head,
+                                quantization=quantization)
         self.kv_geometry = KVGeometry.of(layers, dtype)
+        # `fc` stays in the compute dtype: its input concatenates target layers whose scales differ ~20x, and
+        # one int8 scale per token would erase the low layers.
         self.fc = Linear(w["fc.weight"])                    # layers * target hidden → hidden
         self.hidden_norm = w["hidden_norm.weight"]
-        # The context needs only K and V of each layer: a small copy of those rows skips Q.
-        self.context_kv = [Linear(torch.cat([w[f"model.layers.{i}.self_attn.k_proj.weight"],
-                                             w[f"model.layers.{i}.self_attn.v_proj.weight"]]))
+        # The context needs only K and V of each layer: a small copy of those rows skips Q. Quantized per
+        # row, they are the very rows of the layer's own QKV.
+        self.context_kv = [make_linear(torch.cat([w[f"model.layers.{i}.self_attn.k_proj.weight"],
+                                                  w[f"model.layers.{i}.self_attn.v_proj.weight"]]),
+                                       quantization=quantization)
                            for i in range(c.num_hidden_layers)]
         self.markov = c.algorithm == "DSPARK"             # with the Markov and confidence heads
         if self.markov:
             w1 = w["markov.w1.weight"]
             self.w1 = torch.cat([w1, w1.new_zeros(1, c.markov_rank)])   # [V_d + 1, r]
-            self.w2 = Linear(w["markov.w2.weight"])        # r → V_d
-            self.confidence_head = Linear(w["confidence.weight"], w["confidence.bias"])   # hidden + r → 1
+            self.w2 = make_linear(w["markov.w2.weight"], quantization=quantization)        # r → V_d
+            # hidden + r → 1
+            self.confidence_head = make_linear(w["confidence.weight"], w["confidence.bias"], quantization)
             self.temperatures = torch.tensor(c.confidence_temperatures, dtype=dtype)   # [block_size]
 
     def block_row_weights(self) -> int:

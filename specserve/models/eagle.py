@@ -32,7 +32,7 @@ from specserve.models.drafter_checkpoint import (
     read_drafter_folder,
     save_drafter_folder,
 )
-from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
+from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
 from specserve.models.llama import LlamaModel
 
 ALGORITHM = "EAGLE"
@@ -125,13 +125,16 @@ class EagleDrafter:
                             t.max_position_embeddings, tie_word_embeddings=True, name="EAGLE drafter")
         w = {k: v.to(target.dtype) for k, v in ckpt.weights.items()}
         self.model = LlamaModel(layer, {**w, "model.embed_tokens.weight": target.embed}, target.dtype,
-                                shared_head=target.head)
+                                shared_head=target.head, quantization=target.quantization)
         self.kv_geometry = KVGeometry.of(layer, target.dtype)
+        # `fc` and `input_proj` stay in the compute dtype: their inputs join vectors of very different scales
+        # (target layers; an embedding and a feature), which one int8 scale per token would flatten.
         self.fc = Linear(w["fc.weight"])                     # len(target_layer_ids) * hidden → hidden
         self.input_proj = Linear(w["input_proj.weight"])     # 2 * hidden → hidden
         # Committed rows need only K and V: a small copy of those rows skips Q, attention and the MLP.
         p = "model.layers.0.self_attn."
-        self.context_kv = Linear(torch.cat([w[p + "k_proj.weight"], w[p + "v_proj.weight"]]))
+        self.context_kv = make_linear(torch.cat([w[p + "k_proj.weight"], w[p + "v_proj.weight"]]),
+                                      quantization=target.quantization)
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         # aux: per target layer in target_layer_ids, [n, hidden] → features [n, hidden]

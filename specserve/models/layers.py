@@ -1,9 +1,11 @@
-"""Building blocks shared by the target model and the drafters: norms, rotary embedding, and the fp32
-linear layer (oneDNN-prepacked weights; see Linear for why)."""
+"""Building blocks shared by the target model and the drafters: norms, rotary embedding, and the linear
+layers: fp32 (oneDNN-prepacked weights; see Linear for why) or int8 (quantization.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specserve.quantization import Int8Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,7 +46,6 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-
 class Linear:
     """y = x W^T (+ b) for a weight stored [out, in]. In fp32 the weight is prepacked for oneDNN:
     MKL's sgemm is slow for the 4–64 rows of verify windows and batches (a SmolLM2 forward over 9
@@ -62,8 +63,23 @@ class Linear:
         if self.packed is None or plain_single_row:
             self.plain = transposed(weight)                 # [in, out]
 
+    def rows(self, index: torch.Tensor) -> Linear:
+        """The same linear restricted to some output rows (a draft vocabulary's slice of an LM head)."""
+        if self.plain is None:
+            raise ValueError("this linear keeps no plain copy of its weight to take rows from")
+        bias = None if self.bias is None else self.bias[index]
+        return Linear(self.plain[:, index].t(), bias, plain_single_row=True)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
         if self.packed is None or (self.plain is not None and x.shape[0] <= 2):
             y = x @ self.plain
             return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none",
+                plain_single_row: bool = False) -> Linear | Int8Linear:
+    """A linear over `weight` ([out, in]) in the given quantization ("none": the weight's own dtype)."""
+    if quantization == "int8":
+        return Int8Linear.of(weight, bias)
+    return Linear(weight, bias, plain_single_row)

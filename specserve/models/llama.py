@@ -10,27 +10,30 @@ import torch.nn.functional as F
 from specserve.attention.sdpa import AttentionMetadata, paged_attention
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVPool
-from specserve.models.layers import Linear, Rope, apply_rope, rms_norm
+from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
+from specserve.quantization import Int8Linear
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor        # [hidden]
-    qkv: Linear                     # hidden → (heads + 2 * kv_heads) * head_dim, bias for Qwen2
+    qkv: Linear | Int8Linear        # hidden → (heads + 2 * kv_heads) * head_dim, bias for Qwen2
     q_norm: torch.Tensor | None     # [head_dim]
     k_norm: torch.Tensor | None
-    o: Linear                       # heads * head_dim → hidden
+    o: Linear | Int8Linear          # heads * head_dim → hidden
     post_norm: torch.Tensor         # [hidden]
-    gate_up: Linear                 # hidden → 2 * intermediate
-    down: Linear                    # intermediate → hidden
+    gate_up: Linear | Int8Linear    # hidden → 2 * intermediate
+    down: Linear | Int8Linear       # intermediate → hidden
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 shared_head: Linear | None = None) -> None:
-        """`shared_head`: use another model's vocabulary projection (drafters share the target's)."""
+                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none") -> None:
+        """`shared_head`: use another model's vocabulary projection (drafters share the target's).
+        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear."""
         self.config = config
         self.dtype = dtype
+        self.quantization = quantization
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -39,10 +42,9 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")                       # [vocab, hidden]
         if shared_head is None:
-            shared_head = Linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"),
-                                 plain_single_row=True)
+            shared_head = make_linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"),
+                                      quantization=quantization, plain_single_row=True)
         self.head = shared_head
-        self.lm_head = self.head.plain                                   # [hidden, vocab]
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -51,13 +53,14 @@ class LlamaModel:
             bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None)
             self.layers.append(DecoderLayer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(qkv, bias),
+                qkv=make_linear(qkv, bias, quantization),
                 q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=w(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                o=Linear(w(p + "self_attn.o_proj.weight")),
+                o=make_linear(w(p + "self_attn.o_proj.weight"), quantization=quantization),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=Linear(w(p + "mlp.down_proj.weight")),
+                gate_up=make_linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                                    quantization=quantization),
+                down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
         self.scale = config.head_dim ** -0.5

@@ -37,6 +37,7 @@ class TargetInfo:
     dtype: torch.dtype
     source: str            # where the checkpoint came from (a path, or a name for one built in memory)
     page_size: int         # of the engine's KV pools
+    kv_dtype: torch.dtype  # of the target's KV pool (its attention runs in it)
 
 
 class DraftJob(NamedTuple):

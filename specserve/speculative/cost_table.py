@@ -1,6 +1,7 @@
 """The target's cost table: seconds per forward against the step's total rows, measured on this machine,
-for DSPARK's budget planner (windows.py). `specserve profile` measures and saves one per model, dtype and
-thread count; an engine whose planner needs one uses the saved table, or measures a small one at start."""
+for DSPARK's budget planner (windows.py). `specserve profile` measures and saves one per model, numerics
+(dtype and quantization) and thread count; an engine whose planner needs one uses the saved table, or
+measures a small one at start."""
 from __future__ import annotations
 
 import hashlib
@@ -142,6 +143,12 @@ def default_cost_table_path(model: str, dtype: str | torch.dtype, threads: int |
     return profiles_root() / f"{safe}-{dtype}-t{threads}.json"
 
 
+def numerics(model: LlamaModel) -> str:
+    """What a model's timings depend on besides the machine: its dtype and quantization ("float32-int8")."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    return dtype if model.quantization == "none" else f"{dtype}-{model.quantization}"
+
+
 def split_rows(rows: int, window: int) -> list[int]:
     """`rows` dealt as evenly as possible over the fewest sequences with at most `window` rows each."""
     n = math.ceil(rows / window)
@@ -150,8 +157,8 @@ def split_rows(rows: int, window: int) -> list[int]:
 
 @torch.inference_mode()
 def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[int] = DEFAULT_ROWS,
-                       repeats: int = 3, context: int = 128, window: int = 4,
-                       progress: bool = True) -> CostTable:
+                       repeats: int = 3, context: int = 128, window: int = 4, progress: bool = True,
+                       kv_dtype: torch.dtype | None = None) -> CostTable:
     """Best-of-`repeats` seconds of one target step (attention metadata, forward, logits of every row)
     per total row count. The rows are verify windows of up to `window` tokens over sequences that
     have `context` tokens cached each, in a scratch KV pool."""
@@ -163,7 +170,7 @@ def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[in
     context = min(context, config.max_position_embeddings - window)
     pages_per_seq = math.ceil((context + window) / pool_page_size)
     max_seqs = math.ceil(rows[-1] / window)
-    pool = KVPool(KVGeometry.of(config, model.dtype), max_seqs * pages_per_seq, pool_page_size)
+    pool = KVPool(KVGeometry.of(config, kv_dtype or model.dtype), max_seqs * pages_per_seq, pool_page_size)
     generator = torch.Generator().manual_seed(0)
     steps = []
     for total in rows:
@@ -185,7 +192,7 @@ def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[in
                 if round_:
                     best[j] = min(best[j], time.perf_counter() - start)
                 bar.update()
-    return CostTable.measured(rows, best, model=config.name, dtype=str(model.dtype).removeprefix("torch."))
+    return CostTable.measured(rows, best, model=config.name, dtype=numerics(model))
 
 
 def saved_cost_table_path(target: TargetInfo) -> Path | None:
@@ -193,7 +200,7 @@ def saved_cost_table_path(target: TargetInfo) -> Path | None:
     checkpoint built in memory."""
     if not Path(target.source).exists():
         return None
-    return default_cost_table_path(model_key(target.source), target.dtype)
+    return default_cost_table_path(model_key(target.source), numerics(target.model))
 
 
 def resolve_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
@@ -202,7 +209,7 @@ def resolve_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
     path = spec.dspark_cost_table_path
     if path is None and (saved := saved_cost_table_path(target)) is not None and saved.is_file():
         path = saved
-    dtype = str(target.dtype).removeprefix("torch.")
+    dtype = numerics(target.model)
     if path is not None:
         table = CostTable.load(path)
         if not table.matches(target.config.name, dtype):
@@ -210,7 +217,8 @@ def resolve_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
                         path, table.model, table.dtype, table.cpu, table.threads)
         return table
     start = time.perf_counter()
-    table = measure_cost_table(target.model, target.page_size, rows=STARTUP_ROWS, progress=False)
+    table = measure_cost_table(target.model, target.page_size, rows=STARTUP_ROWS, progress=False,
+                               kv_dtype=target.kv_dtype)
     log.info("measured the target's cost table in %.1f s (rows %s: %s ms); save one with `specserve profile`",
              time.perf_counter() - start, list(table.rows), [round(s * 1e3, 2) for s in table.seconds])
     return table

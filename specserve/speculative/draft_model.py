@@ -76,7 +76,8 @@ class DraftModelProposer:
         # Drafts sit at the target's positions, so the drafter's RoPE table must reach its context.
         config = dataclasses.replace(draft.config, max_position_embeddings=max(
             draft.config.max_position_embeddings, target.config.max_position_embeddings))
-        model = ARCHITECTURES[config.architecture](config, draft.weights, target.dtype)
+        model = ARCHITECTURES[config.architecture](config, draft.weights, target.dtype,
+                                                   quantization=target.model.quantization)
         return cls(model, spec.num_draft_tokens)
 
     def attach_pool(self, pool: KVPool) -> None:

@@ -158,7 +158,7 @@ class DrafterTrainer:
         self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids))
         # tokens outside the map take the Markov head's extra all-zero row, as in the engine
         self.markov_index = torch.where(self.to_draft >= 0, self.to_draft, len(self.draft_ids))
-        self.head = self.target.lm_head[:, self.draft_ids].contiguous()         # [hidden, V_d], frozen
+        self.head = self.target.head.plain[:, self.draft_ids].contiguous()      # [hidden, V_d], frozen
         self.rope = Rope(self.config.head_dim, self.config.rope_theta, tc.max_position_embeddings, self.dtype)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)

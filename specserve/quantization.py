@@ -1,0 +1,64 @@
+"""int8 linears: per-output-channel int8 weights and per-token (per-row) int8 activations.
+
+Kernel: fbgemm's dynamic int8 linear (`quantized::linear_dynamic`), picked by measurement on this
+project's machines (benchmarks/int8_kernels.py: ~3x faster than fp32 at one row and nearly flat up to a
+verify window; oneDNN's int8 linear, `torch._int_mm` and torchao's int8 configs were 3-15x slower here).
+That op quantizes its whole input with one scale, which would make a row's result depend on the other
+rows of the batch (and speculation differ from plain decoding). So each row is first divided by its own
+absolute maximum, and one constant row [1, -1, 0, ...] is appended: every call then sees the range
+[-1, 1] and quantizes with the same fixed parameters, whatever the batch holds, and each output row is
+multiplied back by its own maximum. The integer products accumulate exactly in int32 (x86's reduced
+7-bit activation range leaves no 16-bit saturation), so a row's output is bit-identical in any batch.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+QUANTIZATIONS = ("none", "int8")
+TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float → int8 weights and one float32 scale per output row (symmetric, absmax / 127)."""
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(TINY)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear:
+    """y = x W^T (+ b) with W as int8 rows and a float32 scale each; x and y in the caller's dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor,    # [out, in] int8, [out] float32
+                 bias: torch.Tensor | None = None) -> None:
+        torch.backends.quantized.engine = "fbgemm"
+        self.q, self.scale = q, scale
+        self.bias = None if bias is None else bias.to(torch.float32)
+        self.num_weights = q.numel()
+        zero_points = torch.zeros(len(scale), dtype=torch.long)
+        with warnings.catch_warnings():
+            # quantized tensors are deprecated in torch; the pinned 2.13 has them, and fbgemm's packing needs one
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            weight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
+        self.packed = torch.ops.quantized.linear_prepack(weight, None)
+        self.range_row = torch.zeros(1, q.shape[1])
+        self.range_row[0, :2] = torch.tensor([1.0, -1.0])
+
+    @staticmethod
+    def of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        return Int8Linear(*quantize_rows(weight), bias)
+
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """The same linear restricted to some output rows (a draft vocabulary's slice of an LM head)."""
+        return Int8Linear(self.q[index], self.scale[index], None if self.bias is None else self.bias[index])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
+        # As few ops as possible: at one row each costs about as much as a tenth of the matmul.
+        rows = x if x.dtype == torch.float32 else x.to(torch.float32)
+        peak = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(TINY)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.range_row]), self.packed, True)[:-1]
+        y.mul_(peak)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -1,0 +1,86 @@
+"""int8 linears: per-row weight quantization, per-token activations whose result does not depend on the
+batch (bit for bit), accuracy against the float product, and the engine's choice of quantization."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.engine import LLM
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.models.llama import LlamaModel
+from specserve.quantization import Int8Linear, quantize_rows
+from tests.gguf_writer import Q, make_tiny_gguf
+
+
+def random_linear(out: int = 96, inp: int = 64, bias: bool = False, seed: int = 0) -> tuple[Int8Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inp, generator=g) * inp ** -0.5
+    return Int8Linear.of(weight, torch.randn(out, generator=g) if bias else None), weight
+
+
+def test_weights_round_to_their_rows_scale():
+    weight = torch.randn(8, 32) * torch.arange(1, 9)[:, None]
+    q, scale = quantize_rows(weight)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    torch.testing.assert_close(scale, weight.abs().amax(1) / 127)
+    assert ((q * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_a_row_gives_the_same_bits_in_any_batch():
+    lin, _ = random_linear(bias=True)
+    x = torch.randn(40, 64) * torch.rand(40, 1) * 10
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    for start, size in [(0, 2), (3, 5), (0, 8), (7, 9), (0, 17), (1, 33), (0, 40)]:
+        assert torch.equal(lin(x[start:start + size]), alone[start:start + size])
+
+
+def test_close_to_the_float_product_and_zero_rows_stay_zero():
+    lin, weight = random_linear(out=256, inp=128, bias=True)
+    x = torch.randn(16, 128, dtype=torch.float64)
+    x[3] = 0
+    y = lin(x)
+    exact = x @ weight.double().T + lin.bias
+    assert y.dtype == torch.float64 and torch.isfinite(y).all()
+    torch.testing.assert_close(y[3], lin.bias.double())
+    assert (y - exact).norm() / exact.norm() < 0.03
+
+
+def test_rows_of_a_linear_are_its_output_columns():
+    lin, _ = random_linear(bias=True)
+    x = torch.randn(3, 64)
+    index = torch.tensor([5, 0, 17, 95])
+    assert torch.equal(lin.rows(index)(x), lin(x)[:, index])
+
+
+def test_an_int8_model_stays_close_to_float(tiny_llama):
+    ids, positions = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.arange(8)
+    logits = {}
+    for quantization in ("none", "int8"):
+        model = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float64, quantization=quantization)
+        assert isinstance(model.layers[0].qkv, Int8Linear) == (quantization == "int8")
+        assert isinstance(model.head, Int8Linear) == (quantization == "int8")
+        pool = KVPool(KVGeometry.of(model.config, torch.float64), 2, 4)
+        meta = AttentionMetadata.build([SeqSpan([0, 1], 0, 8)], 4, pool.null_slot)
+        logits[quantization] = model.logits(model.forward(ids, positions, meta, pool)[0])
+    cosine = torch.nn.functional.cosine_similarity(logits["none"], logits["int8"], dim=-1)
+    assert (cosine > 0.99).all() and not torch.equal(logits["none"], logits["int8"])
+
+
+@pytest.mark.parametrize("qtype, default", [(Q.Q8_0, "int8"), (Q.F32, "none")])
+def test_quantized_weights_default_to_int8_and_the_flag_overrides(tmp_path, monkeypatch, caplog, qtype, default):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    make_tiny_gguf(path, qtype=qtype)
+    for _ in range(2):                       # a cold conversion, then the cache: both know the source
+        with caplog.at_level(logging.INFO, logger="specserve.engine"):
+            llm = LLM(str(path), num_pages=8, page_size=4)
+        assert llm.engine.model.quantization == default
+        assert f"quantization: {default} (the default for" in caplog.text
+        caplog.clear()
+    other = "none" if default == "int8" else "int8"
+    assert LLM(str(path), num_pages=8, page_size=4, quantization=other).engine.model.quantization == other
+    with pytest.raises(ValueError, match="--quantization must be one of none, int8, got 'int4'"):
+        LLM(str(path), num_pages=8, page_size=4, quantization="int4")
