@@ -37,9 +37,11 @@ demo: $(STAMP) $(MODEL_STAMP)
 test: $(TEST_STAMP) $(MODEL_STAMP)
 	$(PY) -m pytest tests
 
-# Only the peers benchmark needs llama.cpp: built from source (minutes), never part of `make test`.
+# Only the peers benchmark needs llama.cpp: built from source (minutes), never part of `make test`, with explicit
+# ISA flags instead of -march=native (one host of this project reports AMX tiles that fault when used).
 peers: $(STAMP) $(MODEL_STAMP)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q llama-cpp-python==0.3.16
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+		$(PIP) install -q llama-cpp-python==0.3.16
 	$(PY) benchmarks/peers.py
 
 clean:

@@ -1,5 +1,12 @@
-"""Plain greedy decoding: specserve vs transformers `generate` on the same SmolLM2 weights, batch 1 and 8,
-measured side by side in one run. Writes benchmarks/results/decode.json.
+"""Plain greedy decoding on the embedded SmolLM2-135M-Instruct, measured side by side in one run:
+- specserve int8 (the default for this Q4_1 GGUF), specserve float32 and transformers `generate` (float32,
+  the same dequantized weights) at batch 1 and 8;
+- the int8 target's verify cost t(8 rows) / t(1 row) (one sequence's window, 128 tokens of context);
+- decode speed at a 4,000-token context against a 100-token one;
+- where a batch-1 int8 step goes (int8 linears with their per-token scaling, attention, the rest of the
+  forward, the LM head, and everything outside the forward), next to the time reading the int8 weights
+  once takes at this machine's measured memory bandwidth.
+Writes benchmarks/results/decode.json.
 
     .venv/bin/python benchmarks/decode.py [--max-new-tokens 128] [--repeats 2]
 """
@@ -9,24 +16,29 @@ import argparse
 import os
 import sys
 import time
+from collections import defaultdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-import transformers
-from tqdm import tqdm
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-from benchmarks.common import CHAT_PROMPTS as PROMPTS
-from benchmarks.common import write_result
-from specserve.engine import LLM
-from specserve.loader.safetensors import hf_config
-from specserve.loader.tokenizer import chat_token_ids
-from specserve.types import SamplingParams
+import specserve.attention.sdpa as sdpa  # noqa: E402
+import specserve.models.llama as llama  # noqa: E402
+from benchmarks.common import CHAT_PROMPTS as PROMPTS  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from specserve.engine import LLM  # noqa: E402
+from specserve.loader import load_checkpoint  # noqa: E402
+from specserve.loader.safetensors import hf_config  # noqa: E402
+from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
+from specserve.quantization import Int8Linear  # noqa: E402
+from specserve.speculative.cost_table import measure_cost_table  # noqa: E402
+from specserve.types import SamplingParams  # noqa: E402
 
 
 def hf_model(llm: LLM) -> transformers.PreTrainedModel:
-    from specserve.loader import load_checkpoint
     ckpt = load_checkpoint(llm.engine.config.model_path, torch.float32)
     config = transformers.LlamaConfig(**hf_config(ckpt.config))
     model = transformers.LlamaForCausalLM(config).eval()
@@ -57,46 +69,146 @@ def time_hf(model, tokenizer, batch: list[list[int]], new_tokens: int) -> tuple[
     return len(batch) * new_tokens / elapsed, out[:, width:].tolist()
 
 
+def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    """Tokens per second after the first token (the prefill excluded)."""
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    while not any(out.token_ids for out in engine.step()):
+        pass
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - start)
+
+
+def bandwidth_gbs() -> float:
+    """Bytes per second one pass over a 512 MB tensor reads, best of 5."""
+    x = torch.ones(128 << 20)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def int8_weight_bytes(llm: LLM) -> int:
+    model = llm.engine.model
+    linears = [model.head] + [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(lin.q.numel() + 4 * lin.scale.numel() for lin in linears)
+
+
+def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """Milliseconds per batch-1 decode step in each part, timed around the calls while decoding."""
+    spent: dict[str, float] = defaultdict(float)
+    head = llm.engine.model.head
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[key] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    call, attend, forward = Int8Linear.__call__, sdpa.paged_attention, llm.engine.model.forward
+
+    def linear(self, x):
+        start = time.perf_counter()
+        out = call(self, x)
+        spent["LM head" if self is head else "int8 linears (incl. per-token scaling)"] += time.perf_counter() - start
+        return out
+
+    Int8Linear.__call__, llama.paged_attention = linear, timed(attend, "attention (incl. KV write)")
+    llm.engine.model.forward = timed(forward, "forward")
+    try:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
+        spent.clear()
+        start = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))[0]
+        total = time.perf_counter() - start
+    finally:
+        Int8Linear.__call__, llama.paged_attention = call, attend
+        del llm.engine.model.forward
+    steps = len(out.token_ids)
+    parts = {k: v for k, v in spent.items() if k != "forward"}
+    parts["rest of the forward (norms, rotary, residuals, embedding)"] = (
+        spent["forward"] - sum(v for k, v in parts.items() if k != "LM head"))
+    parts["outside the forward (schedule, sampling, commit, text)"] = total - spent["forward"] - spent["LM head"]
+    return {k: round(v / steps * 1e3, 2) for k, v in parts.items()} | {"step": round(total / steps * 1e3, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="best of N timings per cell")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--long-context", type=int, default=4000)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM()
-    model = hf_model(llm)
-    tokenizer = llm.tokenizer
+    llms = {"int8": LLM(disable_radix_cache=True), "float32": LLM(quantization="none", disable_radix_cache=True)}
+    model = hf_model(llms["float32"])
+    tokenizer = llms["int8"].tokenizer
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    time_ours(llm, prompts[:1], 8)          # warm-up both
+    for llm in llms.values():
+        time_ours(llm, prompts[:1], 8)                          # warm-up, untimed
     time_hf(model, tokenizer, prompts[:1], 8)
 
     rows = {}
-    cells = [(engine, bs) for bs in (1, 8) for engine in ("specserve", "transformers")]
+    cells = [(engine, bs) for bs in (1, 8) for engine in ("specserve int8", "specserve float32", "transformers")]
     for engine, bs in tqdm(cells, desc="decode benchmark"):
         batch = prompts[:bs]
         best, tokens = 0.0, None
         for _ in range(args.repeats):
-            rate, tokens = (time_ours(llm, batch, args.max_new_tokens) if engine == "specserve"
-                            else time_hf(model, tokenizer, batch, args.max_new_tokens))
+            rate, tokens = (time_hf(model, tokenizer, batch, args.max_new_tokens) if engine == "transformers"
+                            else time_ours(llms[engine.split()[1]], batch, args.max_new_tokens))
             best = max(best, rate)
         rows[f"{engine}_b{bs}"] = {"tokens_per_s": round(best, 2), "first_tokens": tokens[0][:16]}
-    same_b1 = rows["specserve_b1"]["first_tokens"] == rows["transformers_b1"]["first_tokens"]
+    del model
+
+    int8 = llms["int8"]
+    table = measure_cost_table(int8.engine.model, 16, rows=[1, 8], repeats=5, context=128, window=8,
+                               kv_dtype=int8.engine.pool.geometry.dtype)
+    filler = tokenizer.encode(" ".join(PROMPTS) * 200, add_special_tokens=False)
+    short, long = [filler[:100], filler[:args.long_context]]
+    rates = {n: max(decode_rate(int8, p, 64) for _ in range(args.repeats)) for n, p in
+             (("100", short), (str(args.long_context), long))}
+    breakdown = step_breakdown(int8, prompts[0], args.max_new_tokens)
+    weight_bytes = int8_weight_bytes(int8)
+    gbs = bandwidth_gbs()
+    read_ms = weight_bytes / gbs / 1e6
+
+    r = {k: v["tokens_per_s"] for k, v in rows.items()}
     summary = {
-        "speedup_vs_hf_b1": round(rows["specserve_b1"]["tokens_per_s"] / rows["transformers_b1"]["tokens_per_s"], 3),
-        "speedup_vs_hf_b8": round(rows["specserve_b8"]["tokens_per_s"] / rows["transformers_b8"]["tokens_per_s"], 3),
-        "specserve_b1_tokens_per_s": rows["specserve_b1"]["tokens_per_s"],
-        "specserve_b8_tokens_per_s": rows["specserve_b8"]["tokens_per_s"],
-        "transformers_b1_tokens_per_s": rows["transformers_b1"]["tokens_per_s"],
-        "transformers_b8_tokens_per_s": rows["transformers_b8"]["tokens_per_s"],
-        "same_first_tokens_b1": same_b1,
+        "int8_b1_tokens_per_s": r["specserve int8_b1"], "float32_b1_tokens_per_s": r["specserve float32_b1"],
+        "transformers_b1_tokens_per_s": r["transformers_b1"],
+        "int8_b8_tokens_per_s": r["specserve int8_b8"], "float32_b8_tokens_per_s": r["specserve float32_b8"],
+        "transformers_b8_tokens_per_s": r["transformers_b8"],
+        "int8_vs_float32_b1": round(r["specserve int8_b1"] / r["specserve float32_b1"], 3),
+        "speedup_vs_hf_b1": round(r["specserve int8_b1"] / r["transformers_b1"], 3),
+        "speedup_vs_hf_b8": round(r["specserve int8_b8"] / r["transformers_b8"], 3),
+        "verify8_over_1": round(table.time(8) / table.time(1), 3),
+        "ctx4k_over_ctx100": round(rates[str(args.long_context)] / rates["100"], 3),
+        "decode_tokens_per_s_ctx100": round(rates["100"], 2),
+        f"decode_tokens_per_s_ctx{args.long_context}": round(rates[str(args.long_context)], 2),
+        "step_ms_b1": breakdown["step"], "int8_weight_read_ms": round(read_ms, 2),
+        "step_over_weight_read": round(breakdown["step"] / read_ms, 2),
+        "same_first_tokens_float32_vs_hf_b1": rows["specserve float32_b1"]["first_tokens"] ==
+                                                rows["transformers_b1"]["first_tokens"],
     }
-    print(f"{'batch':>5} {'specserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
+    print(f"{'batch':>5} {'int8 tok/s':>11} {'float32 tok/s':>14} {'transformers tok/s':>19}")
     for bs in (1, 8):
-        ours, theirs = rows[f"specserve_b{bs}"]["tokens_per_s"], rows[f"transformers_b{bs}"]["tokens_per_s"]
-        print(f"{bs:>5} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>6.2f}")
-    path = write_result("decode", summary, {"config": vars(args), "rows": rows, "model": "SmolLM2-135M-Instruct Q4_1 → fp32"})
+        print(f"{bs:>5} {r[f'specserve int8_b{bs}']:>11.1f} {r[f'specserve float32_b{bs}']:>14.1f} "
+              f"{r[f'transformers_b{bs}']:>19.1f}")
+    print("step breakdown (ms):", breakdown)
+    print(summary)
+    details = {"config": vars(args), "rows": rows, "step_breakdown_ms": breakdown,
+               "int8_weight_bytes": weight_bytes, "read_bandwidth_gb_s": round(gbs, 2),
+               "verify_cost_table_s": dict(zip(table.rows, table.seconds)),
+               "model": "SmolLM2-135M-Instruct Q4_1 GGUF → int8 (default) or float32"}
+    path = write_result("decode", summary, details)
     print(f"wrote {path}")
 
 

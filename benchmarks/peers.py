@@ -1,9 +1,9 @@
 """specserve against its peers on the same prompts and machine, batch 1, greedy, 2 threads, one run:
 - SmolLM2-135M-Instruct (the embedded Q4_1 GGUF): transformers `generate` plain and with
   `prompt_lookup_num_tokens`, llama.cpp (llama-cpp-python, native Q4_1) plain and with its prompt-lookup
-  draft; ours plain (fp32), NGRAM and DSPARK as shipped.
+  draft; ours plain (int8, the default for this GGUF, and float32), NGRAM and DSPARK as shipped (int8).
 - Qwen2.5-Coder 1.5B target + 0.5B draft: transformers with `assistant_model`, llama.cpp plain and with the
-  0.5B model drafting; ours plain and STANDALONE.
+  0.5B model drafting; ours plain (int8 and float32), STANDALONE and NGRAM (int8).
 llama-cpp-python is built from source and only for this benchmark: `make peers` installs it and runs this.
 
     python benchmarks/peers.py
@@ -127,6 +127,9 @@ def smollm2(args: argparse.Namespace) -> dict:
     eos = [llm.tokenizer.eos_token_id]
     rows["specserve plain"] = measure("specserve plain", prompts, args.max_new_tokens, gen)
     del llm
+    llm, gen = ours(None, args.threads, quantization="none")
+    rows["specserve plain float32"] = measure("specserve plain float32", prompts, args.max_new_tokens, gen)
+    del llm
     llm, gen = ours(None, args.threads, speculative_algorithm="NGRAM")
     rows["specserve NGRAM"] = measure("specserve NGRAM", prompts, args.max_new_tokens, gen)
     del llm
@@ -159,6 +162,9 @@ def qwen(args: argparse.Namespace) -> dict:
     prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) for p in humaneval_prompts(args.qwen_prompts)]
     eos = sorted({llm.tokenizer.eos_token_id, *llm.engine.model_config.eos_token_ids})
     rows["specserve plain"] = measure("qwen specserve plain", prompts, args.qwen_new_tokens, gen)
+    del llm
+    llm, gen = ours(target, args.threads, quantization="none")
+    rows["specserve plain float32"] = measure("qwen specserve plain float32", prompts, args.qwen_new_tokens, gen)
     del llm
     llm, gen = ours(target, args.threads, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
                     speculative_num_draft_tokens=args.draft_tokens)
@@ -207,7 +213,9 @@ def main() -> None:
     s = {label: row["tokens_per_s"] for label, row in results["smollm2"].items()}
     summary = {"dspark_speedup_vs_plain_b1": round(s["specserve DSPARK"] / s["specserve plain"], 3),
                "dspark_vs_transformers_b1": round(s["specserve DSPARK"] / s["transformers plain"], 3),
-               "dspark_vs_llamacpp_b1": round(s["specserve DSPARK"] / s["llama.cpp plain"], 3)}
+               "dspark_vs_llamacpp_b1": round(s["specserve DSPARK"] / s["llama.cpp plain"], 3),
+               "plain_vs_llamacpp_b1": round(s["specserve plain"] / s["llama.cpp plain"], 3),
+               "int8_vs_float32_plain_b1": round(s["specserve plain"] / s["specserve plain float32"], 3)}
     if "qwen" in results:
         q = {label: row["tokens_per_s"] for label, row in results["qwen"].items()}
         best = max(q["specserve STANDALONE"], q["specserve NGRAM"])

@@ -92,6 +92,12 @@ class SpecConfig:
              "multiplies through)"))
     token_map_path: str | None = field(default=None, metadata=flag(
         "--speculative-token-map", help="draft vocabulary file (overrides the drafter's)"))
+    sampling: str = field(default="coupled", metadata=flag(
+        "--speculative-sampling",
+        help="coupled | rejection: how sampled requests without a seed are verified. coupled gives each a seed, "
+             "so its output is the one plain decoding with that seed gives; rejection sampling accepts more "
+             "drafts when the drafter's distribution differs from the target's. Seeded requests are always "
+             "coupled"))
     ngram_hybrid: bool = field(default=False, metadata=flag(
         "--speculative-ngram-hybrid",
         help="DSPARK: verify an n-gram continuation instead when it promises more tokens"))

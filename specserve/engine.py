@@ -9,6 +9,7 @@ drafting state in `propose` (a draft model's KV position, DSPARK's confidence fo
 `commit` and `release` settle."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import EngineConfig, engine_config
+from specserve.detokenizer import find_stop
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
@@ -117,6 +119,9 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not params.greedy and params.seed is None and self.config.spec.sampling == "coupled":
+            # a seed of its own makes the request's tokens the same whatever is verified beside it
+            params = dataclasses.replace(params, seed=int(torch.randint(1 << 62, (1,), generator=self.generator)))
         req = Request(request_id, token_ids, params, prompt=text, arrival_time=time.perf_counter())
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -185,10 +190,12 @@ class Engine:
                 req.logprobs.append(res.logprobs[i])
                 if p.top_logprobs:
                     req.top_logprobs.append(res.top_logprobs[i])
+            new_text = req.text.extend(self.tokenizer, req.output_token_ids) if self.tokenizer else 0
             reason = None
             if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
                 reason = "stop"
-            elif p.stop and self._hit_stop_string(req):
+            elif p.stop and (cut := find_stop(p.stop, req.text.text, new_text)) is not None:
+                req.stop_text_len = cut
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_new_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
@@ -206,20 +213,14 @@ class Engine:
         self.prefix_cache.insert(req.all_token_ids[:num_pages * self.pool.page_size], req.pages[:num_pages])
 
     def _finish(self, req: Request, reason: str) -> None:
+        if self.tokenizer:
+            req.text.flush(self.tokenizer, req.output_token_ids)
         self._cache_prefix(req)
         self.scheduler.finish(req, reason)
         self.proposer.release(req)
 
-    def _hit_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        if cuts:
-            req.stop_text_len = min(cuts)
-            return True
-        return False
-
     def output(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        text = req.text.text
         if req.stop_text_len is not None:
             text = text[:req.stop_text_len]
         p = req.params

@@ -1,5 +1,13 @@
-"""Pure functions on logits: penalties, temperature / top-k / top-p / min-p, seeded uniforms,
-inverse-CDF sampling and logprobs. Everything works in the dtype of the logits (float32 or float64).
+"""Pure functions on logits: penalties, temperature / top-k / top-p / min-p, sampling and logprobs.
+Everything works in the dtype of the logits (float32 or float64).
+
+Two ways to draw a token from probabilities p:
+- seeded (coupled): the token is argmax_v p(v) / E(v), E(v) i.i.d. Exp(1) "arrival times" that are a pure
+  function of (seed, absolute position) — the Gumbel-max trick written as an exponential race (-log E is a
+  Gumbel). It is an exact sample of p, and a drafter that draws argmax q(v) / E(v) with the same times agrees
+  with the target as often as the race lets it, so verification can keep exactly the tokens plain decoding
+  with that seed would have drawn, whatever the batch, drafter or window.
+- unseeded: inverse CDF with one uniform from the engine's generator.
 
 Logprobs are "raw": log_softmax of the target's unpenalised, untempered logits (vLLM's default).
 They describe the model rather than the sampler, so they are the same whether a token came from
@@ -7,7 +15,6 @@ plain decoding or from speculation, and whatever the request's temperature or fi
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import torch
@@ -15,14 +22,6 @@ import torch
 from specserve.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-
-
-class Purpose(enum.IntEnum):
-    """Separate random streams per use: a draft must not share its uniform with the verifier's
-    accept or resample draw at the same position, or the two would be correlated."""
-    ACCEPT = 1
-    SAMPLE = 2
-    DRAFT = 3
 
 
 def apply_penalties(
@@ -93,27 +92,31 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seeded_uniform(seed: int, position: int, purpose: Purpose) -> float:
-    """A uniform in [0, 1) that depends only on (seed, absolute token position, purpose), so a
-    seeded request replays identically whatever its batch and however its steps were split."""
-    h = _mix64(_mix64(_mix64(seed & _MASK64) ^ position) ^ int(purpose))
-    return (h >> 11) * 2.0**-53
+def arrival_times(seed: int, position: int, vocab: int) -> torch.Tensor:   # [vocab] float32
+    """i.i.d. Exp(1) times, one per token, that depend only on (seed, absolute token position)."""
+    generator = torch.Generator().manual_seed(_mix64(_mix64(seed & _MASK64) ^ position))
+    return torch.rand(vocab, generator=generator).log_().neg_()
 
 
-def draw_uniforms(
-    seeds: Sequence[int | None],
-    positions: Sequence[int],
-    purpose: Purpose,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:                   # [n] float64
-    """One uniform per entry: seeded entries from seeded_uniform, the rest from `generator`
-    (the engine's; None means torch's default generator)."""
-    u = [seeded_uniform(s, p, purpose) if s is not None else 0.0 for s, p in zip(seeds, positions)]
-    out = torch.tensor(u, dtype=torch.float64)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if unseeded:
-        out[unseeded] = torch.rand(len(unseeded), generator=generator, dtype=torch.float64)
-    return out
+def race_winner(probs: torch.Tensor, seed: int, position: int) -> int:   # probs: [vocab]
+    """The token whose probability over its arrival time is largest: an exact sample of `probs` (which
+    need not be normalised), fixed by (seed, position)."""
+    return int((probs / arrival_times(seed, position, probs.shape[-1]).to(probs.dtype)).argmax())
+
+
+def draw_draft(q: torch.Tensor, seed: int | None, position: int,   # q: [vocab]
+               generator: torch.Generator | None = None) -> int:
+    """A drafter's token from its distribution q: a seeded request's race winner with the times the verifier
+    will use at this position (so the draft is the target's token whenever the race lets them agree), else
+    an inverse-CDF sample with a uniform from `generator`."""
+    if seed is not None:
+        return race_winner(q, seed, position)
+    return int(sample(q[None], uniforms(1, generator))[0])
+
+
+def uniforms(n: int, generator: torch.Generator | None = None) -> torch.Tensor:   # [n] float64
+    """Uniforms for unseeded requests, from the engine's generator (None: torch's default one)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64)
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:   # [n, vocab], [n] -> [n]

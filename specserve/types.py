@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.detokenizer import IncrementalText
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -139,6 +141,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     stop_text_len: int | None = None      # text cut at a stop string
+    text: IncrementalText = field(default_factory=IncrementalText)   # the output's text so far
     stats: SpecStats = field(default_factory=SpecStats)
 
     @property

@@ -191,6 +191,27 @@ def assert_sampled_batch_valid(ckpt: LoadedCheckpoint, prompts: Sequence[Sequenc
     assert [o.token_ids for o in reseeded.outputs] != [o.token_ids for o in batched.outputs]
 
 
+# Seeded sampling configurations: temperature 0.5 / 1.0, without filters and with top-k + top-p.
+SEEDED_CONFIGS = [SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=14, ignore_eos=True)
+                  for t in (0.5, 1.0) for k, p in ((0, 1.0), (20, 0.9))]
+
+
+def assert_seeded_like_plain(ckpt: LoadedCheckpoint, config: SamplingParams, batch: int, **engine_kw) -> None:
+    """`batch` requests, every other one seeded (`config`), the rest other traffic (greedy, and sampled without
+    a seed), run with speculation: every seeded request emits the tokens plain decoding with its seed emits
+    when it runs alone."""
+    prompts = make_prompts(batch, seed=batch)
+    traffic = [SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True),
+               SamplingParams(temperature=0.9, max_new_tokens=11, ignore_eos=True)]
+    params = [dataclasses.replace(config, seed=1000 + i) if i % 2 == 0 else traffic[i // 2 % 2]
+              for i in range(batch)]
+    spec = run(ckpt, prompts, params, **engine_kw)
+    for i in range(0, batch, 2):
+        alone = run(ckpt, [prompts[i]], [params[i]])
+        assert spec.outputs[i].token_ids == alone.outputs[0].token_ids, f"seeded request {i} differs from plain"
+    assert_pages_released(spec.engine)
+
+
 def mean_accept_length(run_: Run) -> float:
     return sum(len(o.token_ids) for o in run_.outputs) / sum(o.spec.verify_ct for o in run_.outputs)
 

@@ -28,11 +28,13 @@ from tests.spec_harness import (
     MATRIX_ENGINE,
     PROMPTS,
     SAMPLED,
+    SEEDED_CONFIGS,
     Run,
     assert_draft_context_exact,
     assert_pages_released,
     assert_same_as_plain,
     assert_sampled_batch_valid,
+    assert_seeded_like_plain,
     assert_stats_consistent,
     capture_draft_context,
     make_engine,
@@ -260,6 +262,13 @@ def test_preemption_rebuilds_the_draft_context(tiny_llama, drafters, case):
     assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in plain.outputs]
     assert_draft_context_exact(engine, context)
     assert not engine.proposer.num_valid
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("config", SEEDED_CONFIGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-random", "dspark-hybrid"])
+def test_a_seeded_request_samples_what_plain_decoding_samples(tiny_llama, drafters, case, config, batch):
+    assert_seeded_like_plain(tiny_llama, config, batch, speculative_block_size=4, **BLOCK_CASES[case](drafters))
 
 
 @pytest.mark.parametrize("case", ["dflash", "dspark-random", "dspark-threshold"])

@@ -154,3 +154,17 @@ def test_bad_prompts_raise_clear_errors(tiny_llama, bad, message):
 def test_bad_sampling_params_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_coupled_sampling_gives_unseeded_sampled_requests_a_seed(tiny_llama):
+    sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+    coupled = LLM(checkpoint=tiny_llama, num_pages=16, page_size=4).engine
+    rejection = LLM(checkpoint=tiny_llama, num_pages=16, page_size=4, speculative_sampling="rejection").engine
+    seeds = {}
+    for name, engine in (("coupled", coupled), ("rejection", rejection)):
+        ids = [engine.add_request([1, 2, 3], p) for p in (sampled, sampled, greedy)]
+        seeds[name] = [engine.requests[i].params.seed for i in ids]
+    assert all(isinstance(s, int) for s in seeds["coupled"][:2]) and seeds["coupled"][0] != seeds["coupled"][1]
+    assert seeds["coupled"][2] is None and seeds["rejection"] == [None, None, None]
+    with pytest.raises(ValueError, match="--speculative-sampling must be coupled or rejection, got 'greedy'"):
+        LLM(checkpoint=tiny_llama, num_pages=16, page_size=4, speculative_sampling="greedy")

@@ -13,7 +13,8 @@ ROOT = Path(specserve.__file__).parent
 # layer (a top-level module or package of specserve) → the layers it may import
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
-    "types": set(),
+    "detokenizer": set(),
+    "types": {"detokenizer"},
     "drafters": set(),
     "quantization": set(),
     "kv_pages": {"config"},
@@ -25,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": {"config", "types", "kv_pages", "radix_cache"},
     "runner": {"types", "kv_pages", "attention", "models"},
     "speculative": {"config", "types", "kv_pages", "attention", "loader", "models", "runner", "sampling"},
-    "engine": {"config", "types", "kv_pages", "loader", "models", "quantization", "radix_cache", "runner",
+    "engine": {"config", "detokenizer", "types", "kv_pages", "loader", "models", "quantization", "radix_cache", "runner",
                "scheduler", "speculative"},
     "datasets": {"loader"},
     "server": {"config", "types", "loader", "engine"},

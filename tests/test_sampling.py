@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from specserve import sampling
-from specserve.sampling import Purpose
 from specserve.types import SamplingParams
 
 DTYPES = [torch.float32, torch.float64]
@@ -108,33 +107,36 @@ def test_penalty_semantics_by_hand():
     assert sampling.apply_penalties(logits, SamplingParams(), [0], [1]) is logits
 
 
-def test_seeded_uniforms_ignore_batch_composition():
-    entries = [(7, 10), (7, 11), (8, 10), (None, 3), (123456789, 0), (-5, 4)]
-    u = sampling.draw_uniforms([s for s, _ in entries], [p for _, p in entries], Purpose.SAMPLE,
-                               torch.Generator().manual_seed(1))
-    order = [5, 3, 1, 0, 4, 2]
-    shuffled = sampling.draw_uniforms([entries[i][0] for i in order], [entries[i][1] for i in order],
-                                      Purpose.SAMPLE, torch.Generator().manual_seed(99))
-    for j, i in enumerate(order):
-        if entries[i][0] is not None:
-            assert shuffled[j] == u[i]
-    assert sampling.draw_uniforms([7], [10], Purpose.SAMPLE)[0] == u[0]
-    assert len({u[0].item(), u[1].item(), u[2].item()}) == 3      # position and seed matter
-    assert sampling.seeded_uniform(7, 10, Purpose.ACCEPT) != u[0].item()   # and purpose
+def test_arrival_times_depend_on_seed_and_position_only():
+    times = sampling.arrival_times(7, 10, 1000)
+    assert times.shape == (1000,) and (times >= 0).all()
+    assert torch.equal(sampling.arrival_times(7, 10, 1000), times)
+    assert not torch.equal(sampling.arrival_times(7, 11, 1000), times)
+    assert not torch.equal(sampling.arrival_times(8, 10, 1000), times)
+    assert torch.equal(sampling.arrival_times(7, 10, 500), times[:500])   # token v's time, whatever the vocabulary
 
 
-def test_seeded_uniforms_look_uniform():
-    u = torch.tensor([sampling.seeded_uniform(3, p, Purpose.SAMPLE) for p in range(20000)])
-    assert 0.0 <= u.min() and u.max() < 1.0
-    assert abs(u.mean().item() - 0.5) < 0.01
-    counts = torch.bincount((u * 10).long(), minlength=10)
-    assert (counts - 2000).abs().max() < 200
+def test_arrival_times_are_exponential():
+    times = torch.cat([sampling.arrival_times(3, p, 1000) for p in range(20)])
+    assert abs(times.mean().item() - 1.0) < 0.02 and abs(times.var().item() - 1.0) < 0.05
+    assert abs((times > 1.0).double().mean().item() - math.exp(-1)) < 0.01
 
 
-def test_unseeded_uniforms_follow_the_generator():
-    a = sampling.draw_uniforms([None, None], [0, 0], Purpose.SAMPLE, torch.Generator().manual_seed(5))
-    b = sampling.draw_uniforms([None, None], [0, 0], Purpose.SAMPLE, torch.Generator().manual_seed(5))
-    assert torch.equal(a, b) and a[0] != a[1]
+def test_the_race_winner_is_a_sample_of_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    wins = torch.bincount(torch.tensor([sampling.race_winner(probs, 11, p) for p in range(20000)]), minlength=5)
+    assert wins[1] == 0
+    assert ((wins / 20000 - probs).abs() < 0.012).all()
+    assert sampling.race_winner(probs * 7, 11, 3) == sampling.race_winner(probs, 11, 3)   # scale-free
+
+
+def test_a_seeded_draft_is_the_race_winner_and_an_unseeded_one_follows_the_generator():
+    q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1)
+    assert sampling.draw_draft(q, 5, 9) == sampling.race_winner(q, 5, 9)
+    a = [sampling.draw_draft(q, None, 9, torch.Generator().manual_seed(2)) for _ in range(2)]
+    assert a[0] == a[1]
+    u = sampling.uniforms(3, torch.Generator().manual_seed(5))
+    assert torch.equal(u, sampling.uniforms(3, torch.Generator().manual_seed(5))) and len(set(u.tolist())) == 3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,10 +19,12 @@ from tests.spec_harness import (
     MATRIX_ENGINE,
     PROMPTS,
     SAMPLED,
+    SEEDED_CONFIGS,
     Run,
     assert_pages_released,
     assert_same_as_plain,
     assert_sampled_batch_valid,
+    assert_seeded_like_plain,
     assert_stats_consistent,
     make_engine,
     make_prompts,
@@ -102,6 +104,13 @@ def test_sampled_speculation_is_reproducible_and_valid(tiny_llama, spec_kwargs, 
     assert_sampled_batch_valid(tiny_llama, prompts, batched, 4, **kw)
     unseeded = run(tiny_llama, prompts, SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True), **kw)
     assert all(len(o.token_ids) == 12 for o in unseeded.outputs)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("config", SEEDED_CONFIGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("case", LOSSLESS_CASES)
+def test_a_seeded_request_samples_what_plain_decoding_samples(tiny_llama, spec_kwargs, case, config, batch):
+    assert_seeded_like_plain(tiny_llama, config, batch, speculative_num_draft_tokens=4, **spec_kwargs(case))
 
 
 OPS = st.lists(st.one_of(

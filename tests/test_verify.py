@@ -101,10 +101,11 @@ def test_mixed_greedy_and_sampled_batch():
 
 # ---------------------------------------------------------------------------------- logprobs
 
-def test_logprobs_under_speculation_are_raw_rows():
+@pytest.mark.parametrize("seed", [3, None], ids=["coupled", "rejection"])
+def test_logprobs_under_speculation_are_raw_rows(seed):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(4 + 3, 40, generator=gen)
-    params = SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.5, seed=3,
+    params = SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.5, seed=seed,
                             logprobs=True, top_logprobs=3)
     requests = [_request(params, prompt=(1, 2, 3), rid="a"),
                 _request(dataclasses.replace(params, temperature=0.0, top_logprobs=0), rid="b")]
@@ -266,10 +267,38 @@ def test_deterministic_drafter_is_lossless(params):
     assert _fit(params, target, None, torch.Generator().manual_seed(13)) > 1e-3
 
 
-def test_seeded_sampling_is_lossless():
+@pytest.mark.parametrize("params", CONFIGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("sampled_drafts", [True, False], ids=["sampled-drafts", "deterministic-drafts"])
+def test_coupled_sampling_is_lossless(params, sampled_drafts):
     target, drafter = _problem(14)
-    assert _fit(SamplingParams(temperature=0.7, top_p=0.9), target, drafter,
-                torch.Generator().manual_seed(15), seeded=True) > 1e-3
+    assert _fit(params, target, drafter if sampled_drafts else None, torch.Generator().manual_seed(15),
+                seeded=True) > 1e-3
+
+
+def test_the_statistic_catches_noise_shared_across_positions(monkeypatch):
+    """Race times that ignore the position make a request's consecutive tokens depend on each other."""
+    times = sampling.arrival_times
+    monkeypatch.setattr(sampling, "arrival_times", lambda seed, position, vocab: times(seed, 0, vocab))
+    target, drafter = _problem(14)
+    assert _fit(CONFIGS[0], target, drafter, torch.Generator().manual_seed(15), seeded=True) < 1e-3
+
+
+@pytest.mark.parametrize("params", [CONFIGS[0], CONFIGS[4]], ids=["T1.0", "T0.7-k5-p0.9"])
+def test_coupled_verification_emits_what_plain_decoding_draws(params):
+    """Whatever the drafts, a seeded request emits at each position the token plain decoding with that seed
+    draws there (the race winner of that row's distribution)."""
+    gen = torch.Generator().manual_seed(16)
+    logits = torch.randn(5, 30, generator=gen, dtype=torch.float64)
+    seeded = dataclasses.replace(params, seed=99)
+    plain = []
+    for j in range(5):
+        row = verify(logits[j:j + 1], _plan([_request(seeded, output=(1,) * j)]), Proposal.none(1))
+        plain.append(row.per_request[0].emitted[0])
+    for drafts in (tuple(plain[:4]), tuple(plain[:2]) + (29,), (plain[0] + 1,), ()):
+        q = torch.softmax(torch.randn(len(drafts), 30, generator=gen, dtype=torch.float64), -1) if drafts else None
+        request = _request(seeded, output=(1,) * 0)
+        out = verify(logits[:len(drafts) + 1], _plan([request]), Proposal((drafts,), (q,))).per_request[0]
+        assert out.emitted == tuple(plain[:len(out.emitted)])
 
 
 BROKEN = {

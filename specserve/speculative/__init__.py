@@ -113,6 +113,8 @@ DEFAULT_DRAFT_TOKENS = {"NGRAM": 4, "STANDALONE": 4, "EAGLE": 3, "DFLASH": 8, "D
 
 def validate_spec(spec: SpecConfig) -> SpecConfig:
     """Check the flags and fill defaults; every problem is a ValueError naming the flag."""
+    if spec.sampling not in ("coupled", "rejection"):
+        raise ValueError(f"--speculative-sampling must be coupled or rejection, got {spec.sampling!r}")
     algorithm = spec.algorithm.upper()
     if algorithm == "NONE":
         return spec

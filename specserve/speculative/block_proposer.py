@@ -27,7 +27,6 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, load_token_map
-from specserve.sampling import Purpose
 from specserve.speculative import CommittedContext, DraftJob
 from specserve.speculative.cost_table import resolve_cost_table
 from specserve.speculative.ngram import NgramHybrid
@@ -169,8 +168,7 @@ class BlockDrafterProposer(CommittedContext):
         if p.greedy:
             return sampling.greedy_tokens(full).item(), None
         q = sampling.process(full, p)                                   # [1, vocab]
-        u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts)], Purpose.DRAFT, self.generator)
-        return sampling.sample(q, u).item(), q[0]
+        return sampling.draw_draft(q[0], p.seed, req.num_tokens + len(drafts), self.generator), q[0]
 
     @torch.inference_mode()
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:

@@ -16,7 +16,6 @@ from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.models import ARCHITECTURES
 from specserve.models.llama import LlamaModel
-from specserve.sampling import Purpose
 from specserve.speculative import DraftJob
 from specserve.types import Proposal, Request, StepPlan, VerifyResult
 
@@ -51,8 +50,7 @@ def choose_drafts(jobs: list[DraftJob], logits: torch.Tensor,   # [len(jobs), vo
             token = sampling.greedy_tokens(scores).item()
         else:
             q = sampling.process(scores, p)                       # [1, vocab]
-            u = sampling.draw_uniforms([p.seed], [req.num_tokens + len(drafts[i])], Purpose.DRAFT, generator)
-            token = sampling.sample(q, u).item()
+            token = sampling.draw_draft(q[0], p.seed, req.num_tokens + len(drafts[i]), generator)
             probs[i].append(q[0])
         drafts[i].append(token)
 

@@ -1,9 +1,13 @@
 """The one verifier shared by plain decoding (zero drafts) and every proposer.
 
-Greedy requests keep the longest prefix of drafts equal to the target argmax. Sampled requests use
-speculative rejection sampling (accept x when u < p(x)/q(x), else resample from max(p - q, 0)),
-which emits exactly the target distribution whatever the drafter proposed.
-Stop conditions are not applied here: commit cuts the emitted tokens.
+Greedy requests keep the longest prefix of drafts equal to the target argmax. Seeded sampled requests
+(every sampled request under --speculative-sampling coupled, which gives each a seed at admission) are
+verified the same way against the tokens their seed draws: at each window row the target's token is the
+winner of an exponential race fixed by (seed, position) (sampling.race_winner, an exact sample of p), and
+drafts are kept while they equal those tokens, so the output is the one plain decoding with that seed
+produces. Unseeded sampled requests use speculative rejection sampling (accept x when u < p(x)/q(x), else
+resample from max(p - q, 0)), which also emits exactly the target distribution and accepts more drafts when
+the drafter's q differs from p. Stop conditions are not applied here: commit cuts the emitted tokens.
 """
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from typing import NamedTuple
 import torch
 
 from specserve import sampling
-from specserve.sampling import Purpose
 from specserve.types import Proposal, Request, RequestVerifyResult, StepPlan, VerifyResult
 
 
@@ -53,12 +56,15 @@ def verify(
         raise ValueError(f"verify expected {num_rows} logit rows, got {logits.shape[0]}")
     scores = _penalised(logits, blocks)
     greedy = [b for b in blocks if b.request.params.greedy]
-    sampled = [b for b in blocks if not b.request.params.greedy]
+    coupled = [b for b in blocks if not b.request.params.greedy and b.request.params.seed is not None]
+    rejection = [b for b in blocks if not b.request.params.greedy and b.request.params.seed is None]
     emitted: dict[int, tuple[int, ...]] = {}
     if greedy:
         emitted |= _verify_greedy(scores, greedy)
-    if sampled:
-        emitted |= _verify_sampled(scores, sampled, generator)
+    if coupled:
+        emitted |= _verify_coupled(scores, coupled)
+    if rejection:
+        emitted |= _verify_rejection(scores, rejection, generator)
     return VerifyResult(_results(logits, blocks, emitted, len(plan.scheduled)))
 
 
@@ -95,7 +101,26 @@ def _verify_greedy(scores: torch.Tensor, blocks: list[_Block]) -> dict[int, tupl
     return emitted
 
 
-def _verify_sampled(
+def _verify_coupled(
+    scores: torch.Tensor,               # [num_rows, vocab] penalised logits
+    blocks: list[_Block],
+) -> dict[int, tuple[int, ...]]:
+    """Each row's token is its seed's race winner at its position; drafts stand while they equal them.
+    Races are run row by row and stop at the first mismatch: later rows cannot be emitted."""
+    offsets = list(itertools.accumulate((b.end - b.start for b in blocks), initial=0))
+    probs = _target_probs(scores, blocks, offsets)                      # [offsets[-1], vocab]
+    emitted = {}
+    for b, off in zip(blocks, offsets):
+        seed, position = b.request.params.seed, b.request.num_tokens
+        for j in range(len(b.drafts) + 1):
+            token = sampling.race_winner(probs[off + j], seed, position + j)
+            if j == len(b.drafts) or b.drafts[j] != token:
+                emitted[b.index] = b.drafts[:j] + (token,)
+                break
+    return emitted
+
+
+def _verify_rejection(
     scores: torch.Tensor,               # [num_rows, vocab] penalised logits
     blocks: list[_Block],
     generator: torch.Generator | None,
@@ -104,15 +129,13 @@ def _verify_sampled(
     offsets = list(itertools.accumulate((b.end - b.start for b in blocks), initial=0))
     probs = _target_probs(scores, blocks, offsets)                      # [offsets[-1], vocab]
 
-    draft_rows, tokens, seeds, positions = [], [], [], []
+    draft_rows, tokens = [], []
     for b, off in zip(blocks, offsets):
         draft_rows += range(off, off + len(b.drafts))
         tokens += b.drafts
-        seeds += [b.request.params.seed] * len(b.drafts)
-        positions += range(b.request.num_tokens, b.request.num_tokens + len(b.drafts))
     q = _draft_probs(blocks, len(tokens), probs)                        # [num_drafts, vocab]
     tok = torch.tensor(tokens, dtype=torch.long, device=device)
-    u = sampling.draw_uniforms(seeds, positions, Purpose.ACCEPT, generator).to(device)
+    u = sampling.uniforms(len(tokens), generator).to(device)
     ok = _accept(u, probs[draft_rows, tok], q[torch.arange(len(tokens), device=device), tok]).tolist()
 
     final_rows, reject_src, reject_dst, num_accepted = [], [], [], []
@@ -131,9 +154,7 @@ def _verify_sampled(
     final_q = torch.zeros(len(blocks), probs.shape[-1], dtype=probs.dtype, device=device)
     if reject_src:
         final_q[reject_dst] = q[reject_src]
-    u = sampling.draw_uniforms([b.request.params.seed for b in blocks],
-                               [b.request.num_tokens + n for b, n in zip(blocks, num_accepted)],
-                               Purpose.SAMPLE, generator).to(device)
+    u = sampling.uniforms(len(blocks), generator).to(device)
     last = sampling.sample(_residual(probs[final_rows], final_q), u).tolist()
     return {b.index: b.drafts[:n] + (t,) for b, n, t in zip(blocks, num_accepted, last)}
 

@@ -186,3 +186,30 @@ def test_real_model_greedy_chat_equals_offline(tmp_path):
         assert resp.usage.completion_tokens == len(ref.token_ids)
     finally:
         assert server.stop() == 0
+
+
+def test_seeded_requests_are_the_same_alone_under_load_and_as_choices(tiny_folder, tmp_path):
+    """With speculation on, a seeded request returns the same text alone and while six others run beside it,
+    and choice i of an n = 3 request is the n = 1 request with seed + i (coupled sampling)."""
+    import concurrent.futures
+
+    server = ServerProcess(tmp_path / "server.log", "--speculative-algorithm", "NGRAM", model=tiny_folder)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        seeded = dict(model=MODEL, messages=CHAT, temperature=0.8, max_tokens=48, seed=77)
+
+        def ask(**kwargs) -> list[str]:
+            return [c.message.content for c in client.chat.completions.create(**kwargs).choices]
+
+        alone = ask(**seeded)
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            others = [pool.submit(ask, model=MODEL, temperature=1.0, max_tokens=40 + i,
+                                  messages=[{"role": "user", "content": f"Story number {i}, please."}])
+                      for i in range(6)]
+            loaded = pool.submit(ask, **seeded).result()
+            assert all(len(f.result()) == 1 for f in others)
+        assert loaded == alone
+        choices = ask(**{**seeded, "n": 3})
+        assert choices == [ask(**{**seeded, "seed": 77 + i})[0] for i in range(3)]
+    finally:
+        assert server.stop() == 0 and "Traceback" not in server.log()
