@@ -11,7 +11,7 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import LLM
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.llama import LlamaModel
-from specserve.quantization import Int8Linear, quantize_rows
+from specserve.quantization import WEIGHT_MAX, Int8Linear, quantize_rows
 from tests.gguf_writer import Q, make_tiny_gguf
 
 
@@ -24,8 +24,8 @@ def random_linear(out: int = 96, inp: int = 64, bias: bool = False, seed: int = 
 def test_weights_round_to_their_rows_scale():
     weight = torch.randn(8, 32) * torch.arange(1, 9)[:, None]
     q, scale = quantize_rows(weight)
-    assert q.dtype == torch.int8 and q.abs().max() == 127
-    torch.testing.assert_close(scale, weight.abs().amax(1) / 127)
+    assert q.dtype == torch.int8 and q.abs().max() == WEIGHT_MAX
+    torch.testing.assert_close(scale, weight.abs().amax(1) / WEIGHT_MAX)
     assert ((q * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
@@ -35,6 +35,15 @@ def test_a_row_gives_the_same_bits_in_any_batch():
     alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
     for start, size in [(0, 2), (3, 5), (0, 8), (7, 9), (0, 17), (1, 33), (0, 40)]:
         assert torch.equal(lin(x[start:start + size]), alone[start:start + size])
+
+
+def test_rows_at_the_extremes_do_not_saturate():
+    """All-maximal activations against all-maximal weights: the pairwise int16 sums of non-VNNI x86 kernels
+    would saturate with 8-bit weights."""
+    weight = torch.ones(64, 576)
+    weight[1::2] = -1
+    y = Int8Linear.of(weight)(torch.ones(2, 576))
+    torch.testing.assert_close(y[:, :2], torch.tensor([[576.0, -576.0]] * 2), rtol=0.01, atol=0)
 
 
 def test_close_to_the_float_product_and_zero_rows_stay_zero():
