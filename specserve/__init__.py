@@ -1,6 +1,8 @@
 """specserve: LLM inference with first-class speculative decoding."""
 from specserve.types import RequestOutput, SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 

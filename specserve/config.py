@@ -60,6 +60,9 @@ class SchedulerConfig:
         "--max-running-requests", help="requests decoded together"))
     max_num_batched_tokens: int = field(default=1024, metadata=flag(
         "--max-num-batched-tokens", help="token budget per step (chunked prefill)"))
+    max_prefill_chunk: int | None = field(default=None, metadata=flag(
+        "--max-prefill-chunk", help="prompt tokens one request may prefill in a step while other requests wait or "
+                                    "decode (default: an eighth of --max-num-batched-tokens); alone it takes all"))
     max_model_len: int | None = field(default=None, metadata=flag(
         "--max-model-len", help="context length cap (default: the model's)"))
 

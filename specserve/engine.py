@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, engine_config
 from specserve.detokenizer import find_stop
+from specserve.drafters import with_shipped_drafter_path
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
@@ -58,7 +59,10 @@ class Engine:
         cache = config.cache
         kv_dtype = self._kv_dtype(cache.kv_cache_dtype, quantization, dtype)
         target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
-        self.proposer = build_proposer(config.spec, target, draft_checkpoint)
+        spec = config.spec
+        if config.model_path is None and checkpoint is None:
+            spec = with_shipped_drafter_path(spec)      # the embedded target's DSPARK drafter ships with it
+        self.proposer = build_proposer(spec, target, draft_checkpoint)
 
         geometries = [KVGeometry.of(ckpt.config, kv_dtype)]
         if self.proposer.kv_geometry is not None:
@@ -113,6 +117,9 @@ class Engine:
                                  f"[0, {self.model_config.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
+        if bad := [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, longer than the context allows "
                              f"({self.max_model_len} tokens including one new token): shorten the prompt")

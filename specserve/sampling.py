@@ -32,8 +32,15 @@ def apply_penalties(
     drafts: Sequence[int] = (),
 ) -> torch.Tensor:                   # [n, vocab], a new tensor unless there is nothing to do
     """Row k is penalised as if drafts[:k] had already been accepted after output_ids.
-    repetition_penalty (vLLM/HF) covers prompt + output; frequency/presence (OpenAI) output only."""
+    The logit bias is added first (as vLLM does); repetition_penalty (vLLM/HF) covers prompt + output,
+    frequency/presence (OpenAI) output only."""
     if not params.has_penalties:
+        return logits
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits = logits.clone()
+        logits[:, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
         return logits
     n, vocab = logits.shape
     device = logits.device

@@ -1,5 +1,7 @@
-"""Continuous batching: running requests first (decode or their next prefill chunk), then admission
-from the queue under a token budget. An admitted request starts after its longest cached prefix
+"""Continuous batching: running requests first (decoding ones, then the next prefill chunks), then
+admission from the queue under a token budget. While others wait or decode, one request's prefill chunk
+is capped (--max-prefill-chunk), so a long prompt cannot hold the whole budget for many steps in a row
+and short requests start beside it. An admitted request starts after its longest cached prefix
 (radix_cache.py). When pages run out, unused cached prefixes are evicted first; then the newest
 running request is preempted: its pages are freed and it is recomputed later (its emitted tokens are
 kept)."""
@@ -40,12 +42,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
+        contended = len(self.waiting) + len(self.running) > 1
+        chunk = (self.config.max_prefill_chunk or max(budget // 8, 1)) if contended else budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        for req in list(self.running):
+        decoding_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in decoding_first:
             if req not in self.running or budget <= 0:
                 continue
-            sched = self._fit(req, budget, preempted)
+            sched = self._fit(req, budget, chunk, preempted, {s.request.request_id for s in scheduled})
             if sched is not None:
                 scheduled.append(sched)
                 budget -= sched.num_feed + sched.max_drafts
@@ -53,7 +58,7 @@ class Scheduler:
                and len(self.running) < self.config.max_running_requests):
             req = self.waiting[0]
             self._reuse_prefix(req)
-            sched = self._plan(req, budget)
+            sched = self._plan(req, budget, chunk)
             if not self._grow(req, sched.start + sched.num_feed + sched.max_drafts):
                 self._drop_pages(req)
                 req.num_computed_tokens = req.num_cached_tokens = 0
@@ -67,9 +72,10 @@ class Scheduler:
             budget -= sched.num_feed + sched.max_drafts
         return StepPlan(tuple(scheduled), tuple(preempted))
 
-    def _plan(self, req: Request, budget: int) -> ScheduledRequest:
+    def _plan(self, req: Request, budget: int, chunk: int) -> ScheduledRequest:
+        """Feed up to `chunk` of the request's unfed tokens within `budget`; drafts take what the budget leaves."""
         start = req.num_computed_tokens
-        num_feed = min(req.num_tokens - start, budget)
+        num_feed = min(req.num_tokens - start, budget, chunk)
         samples = start + num_feed == req.num_tokens
         drafts = 0
         if samples:
@@ -78,11 +84,13 @@ class Scheduler:
                                 self.max_model_len - req.num_tokens - 1))
         return ScheduledRequest(req, start, num_feed, samples, drafts)
 
-    def _fit(self, req: Request, budget: int, preempted: list[Request]) -> ScheduledRequest | None:
-        # max_model_len never exceeds the pool, so a request alone always fits
-        sched = self._plan(req, budget)
+    def _fit(self, req: Request, budget: int, chunk: int, preempted: list[Request],
+             planned: set[str]) -> ScheduledRequest | None:
+        """Plan the request, preempting the newest running request not planned in this step (possibly this
+        one) while its pages do not fit; max_model_len never exceeds the pool, so a request alone fits."""
+        sched = self._plan(req, budget, chunk)
         while not self._grow(req, sched.start + sched.num_feed + sched.max_drafts):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r is req or r.request_id not in planned)
             self.preempt(victim)
             preempted.append(victim)
             if victim is req:

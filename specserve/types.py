@@ -28,12 +28,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit) as in OpenAI's API
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         self.validate()
 
     @property
@@ -42,8 +46,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the logits are adjusted before sampling (penalties or a logit bias)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+                or self.presence_penalty != 0.0 or bool(self.logit_bias))
 
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
@@ -69,6 +74,8 @@ class SamplingParams:
             raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise bad("logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
 
 
 class RequestStatus(enum.Enum):

@@ -71,3 +71,11 @@ def test_shipped_dspark_drafter_is_lossless_and_accepts(llm, tmp_path):
     assert sum(g.spec.num_accepted_drafts for g in got) > 0
     assert emitted / sum(g.spec.verify_ct for g in got) > 1.1
     assert_pages_released(spec.engine)
+
+
+def test_dspark_on_the_embedded_target_without_a_path_takes_the_shipped_drafter():
+    from specserve.drafters import EMBEDDED_DSPARK
+
+    engine = LLM(speculative_algorithm="DSPARK", speculative_dspark_confidence_threshold=0.5, num_pages=64).engine
+    assert engine.proposer.drafter.config.algorithm == "DSPARK"
+    assert engine.config.spec.draft_model_path is None and (EMBEDDED_DSPARK / "config.json").is_file()

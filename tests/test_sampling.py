@@ -165,3 +165,14 @@ def test_logprobs_are_raw_log_softmax(dtype):
         assert values == pytest.approx(best.values.tolist(), abs=tol)
     chosen0, top0 = sampling.logprobs(logits, tokens)
     assert chosen0 == chosen and top0 == [{}] * 5
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    logits = torch.tensor([[1.0, 2.0, 3.0, -1.0]])
+    params = SamplingParams(logit_bias={0: 5.0, 3: -100.0})
+    assert params.logit_bias == ((0, 5.0), (3, -100.0)) and params.has_penalties
+    assert sampling.apply_penalties(logits, params, [], []).tolist() == [[6.0, 2.0, 3.0, -101.0]]
+    both = SamplingParams(logit_bias={1: 1.0}, repetition_penalty=2.0)
+    assert sampling.apply_penalties(logits, both, [1], []).tolist() == [[1.0, 1.5, 3.0, -1.0]]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={2: 101.0})

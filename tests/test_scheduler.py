@@ -12,8 +12,9 @@ PAGE = 4
 
 
 def scheduler(num_pages: int = 64, max_running: int = 8, budget: int = 64, max_model_len: int = 256,
-              draft_slots: int = 0) -> Scheduler:
-    config = SchedulerConfig(max_running_requests=max_running, max_num_batched_tokens=budget)
+              draft_slots: int = 0, chunk: int | None = None) -> Scheduler:
+    config = SchedulerConfig(max_running_requests=max_running, max_num_batched_tokens=budget,
+                             max_prefill_chunk=chunk)
     return Scheduler(config, PageAllocator(num_pages), PAGE, max_model_len, lambda req: draft_slots)
 
 
@@ -66,7 +67,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
 
 
 def test_the_budget_is_shared_and_a_later_request_gets_what_is_left():
-    sched = scheduler(budget=10)
+    sched = scheduler(budget=10, chunk=10)
     first, second, third = request("a", 7), request("b", 6), request("c", 2)
     for r in (first, second, third):
         sched.add(r)
@@ -79,8 +80,32 @@ def test_the_budget_is_shared_and_a_later_request_gets_what_is_left():
     assert [(s.request, s.start, s.num_feed) for s in plan.scheduled] == [(first, 7, 1), (second, 3, 3), (third, 0, 2)]
 
 
+def test_a_long_prefill_is_capped_while_others_wait_and_decoding_goes_first():
+    """Alone, a long prompt takes the whole budget; once a short request arrives, the long one's chunks are
+    capped so the short one starts in the same step, and decoding requests are planned first."""
+    sched = scheduler(budget=64, chunk=16)
+    long = request("long", 300)
+    sched.add(long)
+    plan = sched.schedule()
+    assert [(s.request, s.num_feed) for s in plan.scheduled] == [(long, 64)]
+    commit(plan)
+    short = request("short", 5)
+    sched.add(short)
+    plan = sched.schedule()
+    assert [(s.request, s.start, s.num_feed, s.samples) for s in plan.scheduled] == [
+        (long, 64, 16, False), (short, 0, 5, True)]
+    commit(plan)
+    plan = sched.schedule()
+    assert [(s.request, s.num_feed) for s in plan.scheduled] == [(short, 1), (long, 16)]
+    assert scheduler(budget=64).config.max_prefill_chunk is None      # default: an eighth of the budget
+    default = scheduler(budget=64)
+    for r in (request("a", 40), request("b", 40)):
+        default.add(r)
+    assert [s.num_feed for s in default.schedule().scheduled] == [8, 8]
+
+
 def test_draft_slots_are_reserved_within_budget_length_and_context():
-    sched = scheduler(budget=64, max_model_len=20, draft_slots=4)
+    sched = scheduler(budget=64, max_model_len=20, draft_slots=4, chunk=64)
     roomy, short, near_end = request("roomy", 3, max_new_tokens=50), request("short", 3, 3), request("end", 14, 50)
     for r in (roomy, short, near_end):
         sched.add(r)
@@ -127,3 +152,16 @@ def test_finish_frees_pages_of_running_and_waiting_requests():
     assert running.status is waiting.status is RequestStatus.FINISHED
     assert (running.finish_reason, waiting.finish_reason) == ("stop", "abort")
     assert not sched.has_unfinished and sched.allocator.num_free == sched.allocator.num_pages
+
+
+def test_a_request_planned_in_this_step_is_never_the_preemption_victim():
+    """Decoding requests are planned first; when a prefill chunk then lacks pages, the victim is the newest
+    request not planned yet (here the prefilling one itself), never one whose step is already planned."""
+    sched = scheduler(num_pages=5, budget=64, chunk=8)
+    old, new = request("old", 30, max_new_tokens=40), request("new", 7, max_new_tokens=40)
+    sched.add(old)
+    sched.add(new)
+    commit(sched.schedule())                 # old: 8 of 30 prompt tokens (2 pages); new: whole prompt (2 pages)
+    plan = sched.schedule()                  # new decodes first; old's next chunk needs 2 more pages, 1 is free
+    assert plan.preempted == (old,) and [s.request for s in plan.scheduled] == [new]
+    assert all(len(s.request.pages) * PAGE >= s.start + s.num_feed for s in plan.scheduled)

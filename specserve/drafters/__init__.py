@@ -2,7 +2,10 @@
 for the embedded target when no other is asked for."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+from specserve.config import SpecConfig
 
 # DSPARK drafter for the embedded SmolLM2-135M-Instruct target (trained with `specserve train-drafter`)
 EMBEDDED_DSPARK = Path(__file__).resolve().parent / "smollm2-135m-dspark"
@@ -14,6 +17,13 @@ def embedded_pair() -> dict:
         return {}
     return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": str(EMBEDDED_DSPARK),
             "speculative_ngram_hybrid": True}
+
+
+def with_shipped_drafter_path(spec: SpecConfig) -> SpecConfig:
+    """DSPARK on the embedded target without a drafter path: the shipped drafter."""
+    if spec.algorithm.upper() == "DSPARK" and not spec.draft_model_path and (EMBEDDED_DSPARK / "config.json").is_file():
+        return dataclasses.replace(spec, draft_model_path=str(EMBEDDED_DSPARK))
+    return spec
 
 
 def with_shipped_drafter(kwargs: dict) -> dict:

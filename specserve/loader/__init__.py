@@ -18,6 +18,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedCheckpoint", "ModelLoadError", "che
            "default_model_path", "expected_weight_names", "load_checkpoint", "resolve_model_path"]
 
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"     # the embedded model's id in the API
 
 
 def default_model_path() -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import re
 import signal
 import time
 import uuid
@@ -27,8 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve import __version__
 from specserve.config import engine_config
 from specserve.engine import Engine
+from specserve.loader import EMBEDDED_NAME
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.server.async_engine import AsyncEngine, EngineError, Submission, Unavailable
 from specserve.server.metrics import Metrics
@@ -40,17 +43,20 @@ from specserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     SpecUsage,
+    TokenizeRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -77,12 +83,23 @@ class ApiError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
-def validation_error(exc: ValidationError) -> ApiError:
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or a \uDC00-\uDFFF escape on its own
+LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def validation_error(exc: ValidationError, body: bytes = b"") -> ApiError:
     """The first schema violation, as `field.path: what is wrong (got value)`."""
     err = exc.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
+        if surrogate := LONE_SURROGATE.search(body.decode("utf-8", "replace")):
+            return ApiError(400, f"the body is not valid JSON: it holds the lone UTF-16 surrogate "
+                                 f"{surrogate.group(0)}, which is not a character; send valid Unicode text")
         return ApiError(400, f"the body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}")
     param = ".".join(str(part) for part in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        return ApiError(422, f"{param}: is not a parameter this server honours, so it is refused rather than "
+                             "ignored (the README lists the supported ones)", param=param)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] != "missing" and isinstance(err.get("input"), str | int | float | bool | None):
         message += f" (got {err['input']!r})"
@@ -114,6 +131,7 @@ class Progress:
     text_len: int = 0
     num_tokens: int = 0
     text_offset: int = 0      # completions logprobs: characters covered by the tokens sent
+    echoed: bool = False      # completions with echo: the prompt's text went out
 
     def advance(self, out: RequestOutput) -> tuple[str, int]:
         """New stable text, and the index of the first token not sent yet."""
@@ -149,9 +167,10 @@ class OpenAIServer:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
-        self.model_name = served_model_name or engine.model_config.name
+        self.model_name = served_model_name or engine.config.model_path or EMBEDDED_NAME
         self.api_key = api_key
         self.created = int(time.time())
+        self.metrics.observe_engine(engine)     # the gauges exist before the first request
 
     # ---- endpoints --------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -164,14 +183,47 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> ModelList:
         self.check_api_key(request)
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+        return ModelList(data=[self.model_card()])
+
+    async def model(self, request: Request, model_id: str) -> ModelCard:
+        self.check_api_key(request)
+        self.check_model(model_id)
+        return self.model_card()
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    async def tokenize(self, request: Request) -> dict:
+        self.check_api_key(request)
+        req = await self.parse(request, TokenizeRequest)
+        self.check_model(req.model)
+        if req.messages is not None:
+            tokens = self.encode_messages(req.messages)
+        else:
+            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        self.check_api_key(request)
+        req = await self.parse(request, DetokenizeRequest)
+        self.check_model(req.model)
+        self.check_token_ids(req.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     async def completions(self, request: Request) -> Response:
         self.check_api_key(request)
         req = await self.parse(request, CompletionRequest)
         self.check_model(req.model)
         prompts = [self.encode_prompt(p) for p in req.prompt]
-        return await self.generate(request, prompts, CompletionFormat(self, req, f"cmpl-{uuid.uuid4().hex}"))
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo: echo with logprobs needs the prompt tokens' logprobs, which this server does "
+                                "not compute yet; drop one of them", param="echo")
+        echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompt] if req.echo else []
+        fmt = CompletionFormat(self, req, f"cmpl-{uuid.uuid4().hex}", echoes=echoes)
+        return await self.generate(request, prompts, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         self.check_api_key(request)
@@ -190,7 +242,7 @@ class OpenAIServer:
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -210,26 +262,34 @@ class OpenAIServer:
         try:
             return schema.model_validate_json(bytes(body))
         except ValidationError as exc:
-            raise validation_error(exc) from None
+            raise validation_error(exc, bytes(body)) from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param="prompt")
+        self.check_token_ids(prompt, "prompt")
         return prompt
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        return self.encode_messages(req.messages)
+
+    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
+        chat = [{"role": m.role, "content": m.content or ""} for m in messages]
         try:
-            return chat_token_ids(self.tokenizer, [m.model_dump() for m in req.messages])
+            return chat_token_ids(self.tokenizer, chat)
         except jinja2.TemplateError as exc:
             raise ApiError(400, f"messages: the model's chat template rejected them: {exc}", param="messages")
 
     def jobs(self, req: CompletionRequest | ChatCompletionRequest,
              prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
         """n engine requests per prompt, with max_tokens checked against the context left."""
+        self.check_token_ids([t for t, _ in req.logit_bias], "logit_bias")
         jobs = []
         for ids in prompts:
             room = self.max_model_len - len(ids)
@@ -321,6 +381,7 @@ class CompletionFormat:
     req: CompletionRequest
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    echoes: list[str] = field(default_factory=list)     # with echo: each prompt's text, put before its choices
 
     def first_chunks(self) -> list[BaseModel]:
         return []
@@ -339,6 +400,8 @@ class CompletionFormat:
                 if self.req.logprobs:
                     top = out.top_logprobs[i].items()
                     logprobs.top_logprobs.append({self.server.token_text(t): lp for t, lp in top})
+        if self.echoes and not progress.echoed and (text or out.finished):
+            text, progress.echoed = self.echoes[index // self.req.n] + text, True
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=out.finish_reason if out.finished else None)
 
@@ -410,11 +473,15 @@ def create_app(engine: Engine, served_model_name: str | None = None, api_key: st
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = server
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.prometheus, methods=["GET"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", server.prometheus, methods=["GET", "HEAD"])
+    app.add_api_route("/version", server.version, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models", server.models, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET", "HEAD"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

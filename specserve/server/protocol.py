@@ -1,12 +1,13 @@
 """The OpenAI request and response shapes that specserve serves, as pydantic models.
 
 Requests validate strictly (a string is not a number, 2.0 is not an integer) so that every bad field is
-reported by name; the extension fields top_k, min_p and ignore_eos ride along with the OpenAI ones."""
+reported by name, and a field this server does not honour is refused by name rather than ignored; the
+extension fields top_k, min_p and ignore_eos ride along with the OpenAI ones."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specserve.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -42,10 +43,11 @@ def _prompts(value: Any) -> list[str | list[int]]:
     return prompts
 
 
-def _content(value: Any) -> str:
-    """A message's content: a string or a list of {"type": "text", "text": ...} parts, joined."""
+def _content(value: Any) -> str | None:
+    """A message's content: a string or a list of {"type": "text", "text": ...} parts, joined; None stays None
+    (an assistant turn may have none)."""
     if value is None or isinstance(value, str):
-        return value or ""
+        return value
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
@@ -53,7 +55,27 @@ def _content(value: Any) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} → ((id, bias), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError('must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise ValueError(f"biases must be numbers in [-100, 100], got {bias!r} for token {key}")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="json_object / json_schema are not served yet: refused by name")
 
 
 class StreamOptions(_Strict):
@@ -75,6 +97,9 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
+    response_format: ResponseFormat | None = None
+    user: str | None = None      # OpenAI's end-user id for abuse monitoring: accepted, it does not shape output
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -97,13 +122,24 @@ class _GenerationRequest(_Strict):
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=None if self.seed is None else self.seed + index, stop=self.stop, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, top_logprobs=top_logprobs)
+            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of must equal n ({n}): server-side best-of sampling is not supported, "
+                             "ask for n choices instead")
+        return best_of
 
     @property
     def logprob_params(self) -> tuple[bool, int]:
@@ -112,7 +148,13 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, BeforeValidator(_content)] = ""
+    content: Annotated[str | None, BeforeValidator(_content)] = ""
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (a string), got null")
+        return self
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -249,6 +291,25 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 class ModelCard(BaseModel):

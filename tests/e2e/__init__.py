@@ -34,7 +34,9 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        model_args = ["--model-path", str(model), "--kv-cache-memory", KV_BYTES] if model else []
+        # the tests ask for the tiny model by the name a client would give it
+        model_args = ["--model-path", str(model), "--kv-cache-memory", KV_BYTES, "--served-model-name",
+                      "tiny-llama"] if model else []
         cmd = [sys.executable, "-m", "specserve.cli", "serve", *model_args, "--port", str(self.port),
                "--threads", "1", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -142,7 +142,7 @@ def test_engine_failure_fails_its_request_not_the_server(tiny_folder):
         return forward(*args)
 
     engine.runner.forward = faulty_forward
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, served_model_name="tiny-llama")) as client:
         faults.append("injected fault")
         resp = client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 500 and "injected fault" in resp.json()["error"]["message"]
