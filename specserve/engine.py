@@ -22,7 +22,7 @@ from specserve.config import EngineConfig, engine_config
 from specserve.detokenizer import find_stop
 from specserve.drafters import with_shipped_drafter_path
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
-from specserve.loader import LoadedCheckpoint, load_checkpoint
+from specserve.loader import LoadedCheckpoint, is_embedded, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.models import ARCHITECTURES, DTYPES
 from specserve.quantization import QUANTIZATIONS
@@ -60,7 +60,7 @@ class Engine:
         kv_dtype = self._kv_dtype(cache.kv_cache_dtype, quantization, dtype)
         target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
         spec = config.spec
-        if config.model_path is None and checkpoint is None:
+        if is_embedded(ckpt.source):
             spec = with_shipped_drafter_path(spec)      # the embedded target's DSPARK drafter ships with it
         self.proposer = build_proposer(spec, target, draft_checkpoint)
 

