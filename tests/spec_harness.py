@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from hypothesis import strategies as st
 
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import LLM, Engine
@@ -55,6 +56,16 @@ def drive(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingPara
         finals |= {out.request_id: out for out in engine.step() if out.finished}
         assert_consistent(engine)
     return Run([finals[i] for i in ids], kv, engine)
+
+
+def traffic(min_prompt: int, new_tokens: tuple[int, int]) -> st.SearchStrategy:
+    """Random operations for replay_traffic: submits (prompt, max new tokens, greedy?), aborts and steps."""
+    return st.lists(st.one_of(
+        st.tuples(st.just("submit"), st.lists(st.integers(0, 255), min_size=min_prompt, max_size=20),
+                  st.integers(*new_tokens), st.booleans()),
+        st.tuples(st.just("abort"), st.integers(0, 63)),
+        st.tuples(st.just("step")),
+    ), max_size=40)
 
 
 def replay_traffic(engine: Engine, ops, poison: bool = False, max_drain_steps: int = 1000) -> None:

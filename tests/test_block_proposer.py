@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from specserve.engine import Engine
 from specserve.kv_pages import KVGeometry
@@ -43,6 +42,7 @@ from tests.spec_harness import (
     record_proposals,
     replay_traffic,
     run,
+    traffic,
 )
 
 GAMMAS = [1, 2, 4, 5, 8, 16]
@@ -340,12 +340,7 @@ def test_draft_pool_has_the_drafters_geometry(tiny_llama, drafters):
     assert engine.runner.aux_layer_ids == (0, 1)
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.lists(st.integers(0, 255), min_size=1, max_size=20),
-              st.integers(1, 12), st.booleans()),
-    st.tuples(st.just("abort"), st.integers(0, 63)),
-    st.tuples(st.just("step")),
-), max_size=40)
+OPS = traffic(min_prompt=1, new_tokens=(1, 12))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

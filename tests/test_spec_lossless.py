@@ -7,7 +7,6 @@ import functools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from specserve.quantization import QUANTIZATIONS
 from specserve.types import SamplingParams
@@ -31,6 +30,7 @@ from tests.spec_harness import (
     mean_accept_length,
     replay_traffic,
     run,
+    traffic,
 )
 
 
@@ -113,12 +113,7 @@ def test_a_seeded_request_samples_what_plain_decoding_samples(tiny_llama, spec_k
     assert_seeded_like_plain(tiny_llama, config, batch, speculative_num_draft_tokens=4, **spec_kwargs(case))
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.lists(st.integers(0, 255), min_size=4, max_size=20),
-              st.integers(4, 16), st.booleans()),
-    st.tuples(st.just("abort"), st.integers(0, 63)),
-    st.tuples(st.just("step")),
-), max_size=40)
+OPS = traffic(min_prompt=4, new_tokens=(4, 16))
 
 
 @pytest.mark.parametrize("case", LOSSLESS_CASES)
