@@ -154,3 +154,21 @@ def test_row_means_count_a_verified_window_up_to_its_first_rejection():
     means.add_verified(num_verified=4, num_accepted=2)    # rows 0, 1 accepted, row 2 rejected, row 3 unreached
     means.add_verified(num_verified=2, num_accepted=2)    # both accepted, nothing rejected
     assert means.sums == [2.0, 2.0, 0.0] and means.counts == [2, 2, 1]
+
+
+# ---------------------------------------------------------------------------------- planner calibration
+def test_the_planner_scales_a_requests_claims_by_what_was_accepted():
+    from specserve.speculative.windows import BudgetPlanner
+    from specserve.types import Request, SamplingParams
+
+    planner = BudgetPlanner(CostTable((1, 2), (1.0, 1.25)))
+    liar, honest = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    assert planner._calibrated(liar, [0.9, 0.9]) == [0.9, 0.9]          # nothing verified yet: face value
+    for _ in range(8):                   # claimed 0.9 on row 0, always rejected (row 1 never reached)
+        planner.verified(liar, [0.9, 0.9], num_accepted=0)
+        planner.verified(honest, [0.5, 0.5], num_accepted=2)
+    scaled = planner._calibrated(liar, [0.9, 0.9])
+    assert scaled[0] == pytest.approx(0.9 * 2 / (8 * 0.9 + 2)) and scaled[1] == 0.9
+    assert planner._calibrated(honest, [0.5, 0.6]) == [0.5, 0.6]          # never scaled up
+    planner.release(liar)
+    assert planner._calibrated(liar, [0.9]) == [0.9]

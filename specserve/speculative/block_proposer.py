@@ -50,6 +50,7 @@ class BlockDrafterProposer(CommittedContext):
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
+        self.pending: dict[str, list[float]] = {}   # request id → confidences of the block drafts verified now
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
     @classmethod
@@ -109,6 +110,8 @@ class BlockDrafterProposer(CommittedContext):
             draft_conf[i] = tuple(c[:m]) if c is not None else None
             if from_ngram and m:
                 self.hybrid.verifying(plan.scheduled[i].request, m)
+            elif c is not None and m:
+                self.pending[plan.scheduled[i].request.request_id] = c[:m]
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
 
     def _run_block(self, jobs: list[DraftJob]) -> dict[int, Candidate]:
@@ -174,6 +177,10 @@ class BlockDrafterProposer(CommittedContext):
     def commit(self, plan: StepPlan, result: VerifyResult, out: ForwardOutput) -> None:
         if self.hybrid is not None:
             self.hybrid.record(plan, result)
+        for s, res in zip(plan.scheduled, result.per_request):
+            confidences = self.pending.pop(s.request.request_id, None)
+            if confidences is not None and res is not None and not s.request.finished:
+                self.policy.verified(s.request, confidences, res.num_accepted)
         rows, positions, slots = [], [], []
         for s, offset in zip(plan.scheduled, out.token_offsets):
             req = s.request
@@ -192,6 +199,7 @@ class BlockDrafterProposer(CommittedContext):
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
+        self.pending.pop(req.request_id, None)
         self.policy.release(req)
         if self.hybrid is not None:
             self.hybrid.release(req)

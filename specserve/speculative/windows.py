@@ -65,6 +65,8 @@ class RowMeans:
 class WindowPolicy(Protocol):
     def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]: ...
     def observe(self, req: Request, confidences: list[float]) -> None: ...   # a block's confidences
+    # the confidences of a block's verified drafts and how many of them were accepted
+    def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None: ...
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]: ...  # by plan index
     def release(self, req: Request) -> None: ...
 
@@ -76,6 +78,9 @@ class AllRows:
         return jobs
 
     def observe(self, req: Request, confidences: list[float]) -> None:
+        pass
+
+    def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None:
         pass
 
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
@@ -100,8 +105,14 @@ class Threshold(AllRows):
 
 class BudgetPlanner:
     """DSPARK's default: windows that maximise expected tokens per second of the step (plan_budget), and
-    blocks only for requests whose forecast (the mean of their blocks' confidences so far) pays for them."""
+    blocks only for requests whose forecast (the mean of their blocks' confidences so far) pays for them.
+
+    Confidences are the drafter's own claims. Per request and block row, the planner compares the claims of
+    the drafts it verified with how many were accepted, and scales later claims down by that ratio (never
+    up; two pseudo-observations keep the first blocks at face value): a drafter that is overconfident on a
+    request, or on a target other than the one it was calibrated for, stops buying rows that do not pay."""
     PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
+    PSEUDO_COUNT = 2.0
 
     def __init__(self, cost: CostTable, relative_block_cost: float = 0.0) -> None:
         self.cost = cost
@@ -109,6 +120,8 @@ class BudgetPlanner:
         # weights a row multiplies through, drafter against target: both stream their weights per step).
         self.relative_block_cost = relative_block_cost
         self.forecast: dict[str, RowMeans] = {}    # request id → the confidences of its blocks so far
+        self.claimed: dict[str, RowMeans] = {}     # request id → confidences of its verified block drafts
+        self.held: dict[str, RowMeans] = {}        # request id → acceptance of those drafts (1 or 0)
         self.probe_every: dict[str, int] = {}      # request id → steps between its probes while it skips
         self.num_steps = 0                         # proposals planned
 
@@ -116,8 +129,8 @@ class BudgetPlanner:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
         confidences, if the rows they win pay for the block's own time too, those without a forecast
         yet, and those due to probe."""
-        forecast = {j.index: self.forecast[j.request.request_id].means(j.num_drafts) for j in jobs
-                    if j.request.request_id in self.forecast}
+        forecast = {j.index: self._calibrated(j.request, self.forecast[j.request.request_id].means(j.num_drafts))
+                    for j in jobs if j.request.request_id in self.forecast}
         window_of = self._budget(plan, forecast) if forecast else {}
         must, may = [], []
         for job in jobs:
@@ -141,13 +154,32 @@ class BudgetPlanner:
         # not stop the next block.
         self.forecast.setdefault(req.request_id, RowMeans()).add(confidences)
 
+    def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None:
+        reached = min(num_accepted + 1, len(confidences))      # rows after the first rejection were not judged
+        self.claimed.setdefault(req.request_id, RowMeans()).add(confidences[:reached])
+        self.held.setdefault(req.request_id, RowMeans()).add_verified(reached, num_accepted)
+
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
-        window_of = self._budget(plan, {i: c.confidences for i, c in candidates.items()})
+        confidences = {i: c.confidences if c.from_ngram else self._calibrated(plan.scheduled[i].request, c.confidences)
+                       for i, c in candidates.items()}
+        window_of = self._budget(plan, confidences)
         return {i: window_of[i] for i in candidates}
 
     def release(self, req: Request) -> None:
-        self.forecast.pop(req.request_id, None)
-        self.probe_every.pop(req.request_id, None)
+        for state in (self.forecast, self.claimed, self.held, self.probe_every):
+            state.pop(req.request_id, None)
+
+    def _calibrated(self, req: Request, confidences: list[float]) -> list[float]:
+        """Each row's confidence times (accepted + k) / (claimed + k) of the request's verified drafts, capped at 1."""
+        claimed, held = self.claimed.get(req.request_id), self.held.get(req.request_id)
+        if claimed is None:
+            return confidences
+        out = []
+        for k, c in enumerate(confidences):
+            said = claimed.sums[k] if k < len(claimed.sums) else 0.0
+            kept = held.sums[k] if k < len(held.sums) else 0.0
+            out.append(c * min(1.0, (kept + self.PSEUDO_COUNT) / (said + self.PSEUDO_COUNT)))
+        return out
 
     def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
                   must: list[DraftJob], may: list[DraftJob]) -> bool:
