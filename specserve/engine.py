@@ -36,6 +36,17 @@ from specserve.types import Proposal, Request, RequestOutput, SamplingParams, Sp
 log = logging.getLogger(__name__)
 
 
+def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto is float64 under int8 weights. int8 rounding turns the last bits of a float32
+    attention (which differ between a decode step and a verify window) into whole quantization steps, and
+    speculation would then stop reproducing plain decoding; in float64 those bits never reach float32."""
+    if kv_cache_dtype == "auto":
+        return torch.float64 if quantization == "int8" else dtype
+    if kv_cache_dtype not in ("float32", "float64"):
+        raise ValueError(f"--kv-cache-dtype must be auto, float32 or float64, got {kv_cache_dtype!r}")
+    return DTYPES[kv_cache_dtype]
+
+
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint | None = None,
                  draft_checkpoint: LoadedCheckpoint | None = None) -> None:
@@ -57,7 +68,7 @@ class Engine:
                                                              quantization=quantization)
 
         cache = config.cache
-        kv_dtype = self._kv_dtype(cache.kv_cache_dtype, quantization, dtype)
+        kv_dtype = attention_dtype(cache.kv_cache_dtype, quantization, dtype)
         target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
         spec = config.spec
         if is_embedded(ckpt.source):
@@ -89,17 +100,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
-
-    @staticmethod
-    def _kv_dtype(name: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
-        """--kv-cache-dtype: auto is float64 under int8 weights. int8 rounding turns the last bits of a float32
-        attention (which differ between a decode step and a verify window) into whole quantization steps, and
-        speculation would then stop reproducing plain decoding; in float64 those bits never reach float32."""
-        if name == "auto":
-            return torch.float64 if quantization == "int8" else dtype
-        if name not in ("float32", "float64"):
-            raise ValueError(f"--kv-cache-dtype must be auto, float32 or float64, got {name!r}")
-        return DTYPES[name]
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,

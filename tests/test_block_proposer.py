@@ -170,9 +170,9 @@ def count_blocks(engine: Engine) -> list[tuple[int, int]]:
     calls = []
     block_hidden = engine.proposer.drafter.block_hidden
 
-    def counting(input_ids, positions, meta, pool):
+    def counting(input_ids, positions, meta, pool, anchor_context=None):
         calls.append((engine.proposer.policy.num_steps - 1, sum(c.batch for c in meta.chunks)))
-        return block_hidden(input_ids, positions, meta, pool)
+        return block_hidden(input_ids, positions, meta, pool, anchor_context)
 
     engine.proposer.drafter.block_hidden = counting
     return calls

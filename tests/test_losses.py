@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.train.losses import LossWeights, acceptance, block_loss, fit_temperatures, row_weights, valid_rows
+from specserve.train.losses import (
+    LossWeights,
+    TargetTopK,
+    acceptance,
+    block_loss,
+    fit_temperatures,
+    row_weights,
+    valid_rows,
+)
 
 
 def random_block(n: int = 3, g: int = 5, v: int = 7, seed: int = 0):
@@ -17,7 +25,7 @@ def random_block(n: int = 3, g: int = 5, v: int = 7, seed: int = 0):
     # target mass on the draft vocabulary sums to 0.9: a tenth lies outside the map
     target = 0.9 * torch.randn(n, g, v, generator=gen, dtype=torch.float64).softmax(-1)
     ids = torch.randint(0, v, (n, g), generator=gen)
-    return logits, target, ids
+    return logits, TargetTopK.dense(target), ids
 
 
 def test_row_weights_decay_exponentially():
@@ -58,7 +66,7 @@ def test_loss_is_the_row_weighted_mix_of_cross_entropy_and_l1():
                 continue
             w = math.exp(-k / 2.0)
             p = logits[n, k].softmax(-1)
-            l1 = (p - target[n, k]).abs().sum() + (1 - target[n, k].sum())
+            l1 = (p - target.probs[n, k]).abs().sum() + (1 - target.probs[n, k].sum())
             ce = 0.0 if ids[n, k] < 0 else -p[ids[n, k]].log()
             want, total_w = want + w * (0.3 * ce + 0.7 * l1), total_w + w
     assert terms.total.item() == pytest.approx(float(want) / total_w, rel=1e-12)
@@ -68,13 +76,17 @@ def test_acceptance_is_one_minus_half_the_l1_distance_over_the_whole_vocabulary(
     draft = torch.tensor([0.5, 0.5, 0.0])
     target_full = torch.tensor([0.25, 0.25, 0.25, 0.25])   # the last token is outside the draft vocabulary
     want = 1 - 0.5 * (torch.cat([draft, torch.zeros(1)]) - target_full).abs().sum()
-    assert acceptance(draft, target_full[:3]).item() == pytest.approx(want.item()) == pytest.approx(0.5)
+    assert acceptance(draft.log(), TargetTopK.dense(target_full[:3])).item() == pytest.approx(want.item()) \
+        == pytest.approx(0.5)
+    # the same target known on its top 2 only (ids 0 and 2, then one outside the draft vocabulary): a lower bound
+    top = TargetTopK(torch.tensor([0, -1, 2]), torch.tensor([0.25, 0.25, 0.25]))
+    assert acceptance(draft.log(), top).item() == pytest.approx(0.25)
 
 
 def test_confidence_learns_the_detached_acceptance_probability():
     logits, target, ids = random_block()
     valid = torch.ones(3, 5, dtype=torch.bool)
-    a = acceptance(logits.detach().softmax(-1), target)
+    a = acceptance(logits.detach().log_softmax(-1), target)
     # at c = a the confidence term is at its minimum, and it never reaches the draft logits
     conf = torch.logit(a).clone().requires_grad_(True)
     no_conf = block_loss(logits, target, ids, valid)
@@ -96,7 +108,7 @@ def test_accept_length_counts_leading_argmax_matches():
     logits[..., 0] = 5.0                               # the draft argmax is always token 0
     ids = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0]])   # block 0 matches twice, block 1 to its valid end (3)
     valid = torch.tensor([[True] * 4, [True, True, True, False]])
-    terms = block_loss(logits, torch.full((2, 4, 3), 1 / 3, dtype=torch.float64), ids, valid)
+    terms = block_loss(logits, TargetTopK.dense(torch.full((2, 4, 3), 1 / 3, dtype=torch.float64)), ids, valid)
     assert terms.accept_length == pytest.approx((3 + 4) / 2)
 
 

@@ -40,6 +40,9 @@ def test_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, tiny_answ
                 "| target layer ids | [0, 1] |", "| held-out | 3 |"):
         assert row in card
     assert ("| Markov rank | 8 |" in card) == (algorithm == "DSPARK")
+    held_out = json.loads((tmp_path / "work" / "held_out.json").read_text())
+    assert held_out["examples"] == 4 and "## Held-out rows" in card
+    assert f"| this | {held_out['row_top1'][0]:.3f} |" in card
 
     prompts = [e.prompt_ids for e in tiny_answers[:6]]
     plain = engine(tiny_llama).generate(prompts, GREEDY)

@@ -12,7 +12,17 @@ from specserve.models.block_drafter import BlockDrafter, dense_block_forward, ra
 from specserve.models.layers import Rope
 from specserve.models.llama import LlamaModel
 from specserve.train.data import Example, build_token_map
-from specserve.train.trainer import DrafterTrainer, TrainConfig, make_batch, sample_anchors, seeded, usable_examples
+from specserve.train.features import TargetPass
+from specserve.train.trainer import (
+    DrafterTrainer,
+    TrainConfig,
+    count_bigram,
+    make_batch,
+    sample_anchors,
+    seeded,
+    sequence,
+    usable_examples,
+)
 from specserve.types import SamplingParams
 from tests.spec_harness import record_proposals
 
@@ -23,6 +33,20 @@ SMALL = dict(block_size=4, anchors=8, batch_size=4, markov_rank=8, draft_vocab=1
 
 def engine(ckpt, **spec) -> LLM:
     return LLM(checkpoint=ckpt, dtype="float64", page_size=4, num_pages=256, **spec)
+
+
+def target_pass(target, trainer: DrafterTrainer) -> TargetPass:
+    """The tiny target's whole distribution (k = its vocabulary), so the distribution loss is exact."""
+    return TargetPass(target, trainer.config.target_layer_ids, target.config.vocab_size, "none", torch.float64)
+
+
+def live_batch(target, trainer: DrafterTrainer, examples: list[Example]):
+    return make_batch(examples, target_pass(target, trainer)([sequence(e) for e in examples]))
+
+
+def live_features(target, trainer: DrafterTrainer, examples: list[Example]):
+    run = target_pass(target, trainer)
+    return lambda indices: run([sequence(examples[i]) for i in indices])
 
 
 def randomise_norms(trainer: DrafterTrainer) -> None:
@@ -61,7 +85,7 @@ def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path)
         if len(drafts) < 5:
             continue
         anchor = len(tokens) - 1
-        batch = make_batch([Example("x", tokens, drafts)])      # row k's previous token is the k-th draft
+        batch = live_batch(tiny_llama, trainer, [Example("x", tokens, drafts)])   # row k's previous token: draft k
         out = trainer.forward(batch, torch.tensor([[anchor]]), torch.tensor([[True]]))
         prev = torch.tensor(tokens[-1:] + drafts[:-1])
         want = logits + drafter.markov_logits(prev)
@@ -100,7 +124,8 @@ def test_dense_chain_forward_equals_the_engine_eagle_proposer(tiny_llama, tmp_pa
         first_row += len(drafts)
         if len(drafts) < 5:
             continue
-        out = trainer.forward(make_batch([Example("x", tokens, list(drafts))]), torch.tensor([[len(tokens) - 1]]),
+        out = trainer.forward(live_batch(tiny_llama, trainer, [Example("x", tokens, list(drafts))]),
+                              torch.tensor([[len(tokens) - 1]]),
                               torch.tensor([[True]]))
         torch.testing.assert_close(out.draft_logits[0], want, rtol=0, atol=1e-9)
         assert out.draft_logits[0].argmax(-1).tolist() == list(drafts) and out.confidence_logits is None
@@ -136,33 +161,39 @@ def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, tiny_answers):
     data = usable_examples(tiny_answers, 128)[:4]
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), build_token_map(data, 160, 257))
     randomise_norms(trainer)
-    batch = make_batch(data)
+    batch = live_batch(tiny_llama, trainer, data)
     anchors, ok = sample_anchors(batch, 6, seeded(1))
     assert len(set(batch.lengths.tolist())) > 1 and ok.sum() > 12
     out = trainer.forward(batch, anchors, ok)
+    assert len(out.valid) == ok.sum()                       # the valid anchors' blocks only, in batch order
+    i = -1
     for b, example in enumerate(data):
         for a in torch.nonzero(ok[b]).flatten().tolist():
-            one = trainer.forward(make_batch([example]), anchors[b:b + 1, a:a + 1], ok[b:b + 1, a:a + 1])
-            i, rows = b * 6 + a, one.valid[0]
+            one = trainer.forward(live_batch(tiny_llama, trainer, [example]), anchors[b:b + 1, a:a + 1],
+                                  ok[b:b + 1, a:a + 1])
+            i, rows = i + 1, one.valid[0]
             assert torch.equal(out.valid[i], rows) and torch.equal(out.target_ids[i][rows], one.target_ids[0][rows])
-            for got, want in ((out.draft_logits, one.draft_logits), (out.target_probs, one.target_probs),
-                              (out.confidence_logits, one.confidence_logits)):
+            for got, want in ((out.draft_logits, one.draft_logits), (out.target.probs, one.target.probs),
+                              (out.target.ids, one.target.ids), (out.confidence_logits, one.confidence_logits)):
                 torch.testing.assert_close(got[i][rows], want[0][rows], rtol=0, atol=1e-10)
-    rows = out.valid & (out.target_ids >= 0)
-    assert (out.target_probs.argmax(-1)[rows] == out.target_ids[rows]).all()
+            # the answers are the target's own greedy tokens: row k learns the token at anchor + k + 1
+            following = sequence(example)[anchors[b, a] + 1:][:SMALL["block_size"]]
+            want_ids = trainer.to_draft[torch.tensor(following)]
+            assert torch.equal(out.target_ids[i][rows], want_ids[:int(rows.sum())])
 
 
 @pytest.mark.parametrize("algorithm", ["DSPARK", "EAGLE"])
 def test_a_few_steps_reduce_the_loss(tiny_llama, tiny_answers, tmp_path, algorithm):
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, algorithm=algorithm, max_steps=40, save_every=100), None)
-    batch = make_batch(usable_examples(tiny_answers, 128)[:8])
+    data = usable_examples(tiny_answers, 128)
+    batch = live_batch(tiny_llama, trainer, data[:8])
 
     def held_loss():
         with torch.no_grad():
             return trainer.losses(batch, seeded(9))
 
     before = held_loss()
-    trainer.train(usable_examples(tiny_answers, 128), tmp_path / "state.pt")
+    trainer.train(data, live_features(tiny_llama, trainer, data), tmp_path / "state.pt")
     after = held_loss()
     assert after.total.item() < 0.8 * before.total.item()
     assert after.accept_length > before.accept_length and after.acceptance > before.acceptance
@@ -175,17 +206,73 @@ def test_checkpoint_then_resume_continues_identically(tiny_llama, tiny_answers, 
     saves = []
     save = DrafterTrainer.save
     monkeypatch.setattr(DrafterTrainer, "save", lambda self, path: saves.append(self.step) or save(self, path))
-    straight.train(data, tmp_path / "straight.pt")
+    straight.train(data, live_features(tiny_llama, straight, data), tmp_path / "straight.pt")
     assert saves == [2, 4, 5]
 
     interrupted = DrafterTrainer(tiny_llama, cfg, None)
-    interrupted.train(data, tmp_path / "resumed.pt", until=2)
+    interrupted.train(data, live_features(tiny_llama, interrupted, data), tmp_path / "resumed.pt", until=2)
     resumed = DrafterTrainer(tiny_llama, cfg, None)
     resumed.load(tmp_path / "resumed.pt")
     assert resumed.step == 2
-    resumed.train(data, tmp_path / "resumed.pt")
+    resumed.train(data, live_features(tiny_llama, resumed, data), tmp_path / "resumed.pt")
     assert resumed.step == 5
     for name, p in straight.params.items():
         assert torch.equal(p, resumed.params[name]), name
     with pytest.raises(ValueError, match="other drafter settings"):
         DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 4}), None).load(tmp_path / "resumed.pt")
+
+
+def test_anchors_zero_takes_every_answer_position(tiny_llama, tiny_answers):
+    data = usable_examples(tiny_answers, 128)[:3]
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), None)
+    batch = live_batch(tiny_llama, trainer, data)
+    anchors, ok = sample_anchors(batch, 0, seeded(1))
+    for b, e in enumerate(data):
+        want = list(range(max(len(e.prompt_ids), 1), len(e.prompt_ids) + len(e.output_ids) - 1))
+        assert anchors[b][ok[b]].tolist() == want
+
+
+def test_count_bigram_takes_the_most_frequent_next_token():
+    examples = [Example("a", [9], [1, 2, 1, 3, 1, 2]), Example("b", [9], [4, 5, 4, 6, 4, 6, 7])]
+    table = count_bigram(examples, 10)
+    assert table[1] == 2 and table[4] == 6 and table[6] == 4 and table[3] == 1
+    assert table[5] == 4 and table[8] == 8       # ties: the lower id; unseen: itself
+    assert count_bigram([Example("c", [0], [2, 7, 2, 5])], 10)[2] == 5
+
+
+def test_held_out_report_scores_the_drafter_and_the_bigram_on_every_anchor(tiny_llama, tiny_answers):
+    data = usable_examples(tiny_answers, 128)
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), None)
+    bigram = count_bigram(data, 257)
+    report = trainer.evaluate(data[:5], live_features(tiny_llama, trainer, data[:5]), bigram)
+    anchors = sum(len(sequence(e)) - 1 - max(len(e.prompt_ids), 1) for e in data[:5])
+    assert report["blocks"] == anchors and len(report["row_top1"]) == SMALL["block_size"]
+    # the bigram's row 0, counted by hand: the most frequent follower of the anchor token is the target's next
+    hits = total = 0
+    for e in data[:5]:
+        seq = sequence(e)
+        for a in range(max(len(e.prompt_ids), 1), len(seq) - 1):
+            hits += int(bigram[seq[a]]) == seq[a + 1]
+            total += 1
+    assert report["bigram_row_top1"][0] == round(hits / total, 4)
+    assert 1.0 <= report["accept_length"] <= 1 + SMALL["block_size"]
+
+
+def test_markov_head_starts_from_the_count_bigram(tiny_llama, tiny_answers):
+    """At full rank the Markov term alone drafts the count bigram's next token for every previous token
+    seen in the answers (on the draft vocabulary)."""
+    data = usable_examples(tiny_answers, 128)
+    token_map = build_token_map(data, 160, 257)
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 160}), token_map)
+    trainer.init_markov_from_bigram(data)
+    w1, w2 = trainer.params["markov.w1.weight"], trainer.params["markov.w2.weight"]
+    pairs = {}
+    for e in data:
+        for a, b in zip(e.output_ids, e.output_ids[1:]):
+            if trainer.to_draft[a] >= 0 and trainer.to_draft[b] >= 0:
+                pairs.setdefault(a, []).append(int(trainer.to_draft[b]))
+    assert len(pairs) > 20
+    for prev, nexts in pairs.items():
+        markov = w2 @ w1[trainer.to_draft[prev]]                             # [V_d]
+        counts = torch.bincount(torch.tensor(nexts), minlength=160)
+        assert counts[markov.argmax()] == counts.max(), prev

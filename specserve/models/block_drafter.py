@@ -1,10 +1,13 @@
 """The block drafter of DFLASH and DSPARK (DESIGN.md §3).
 
-Context: the target's residual stream after `target_layer_ids` is concatenated per committed token,
-projected by `fc` and normalised; each draft layer turns it into K/V (RoPE at the token's absolute
+Context: the target's residual stream after `target_layer_ids` is concatenated per committed token
+(with `context_norm`, each layer's stream RMS-normalised first: their scales differ ~20x), projected by
+`fc` and normalised; each draft layer turns it into K/V (RoPE at the token's absolute
 position) in the draft pool. Block: gamma rows, the anchor's embedding then the mask token's, at the
-positions after the context; one non-causal forward over them gives hidden states, and row k
-predicts the token at anchor + k + 1. Embedding and LM head are the target's; a token map restricts
+positions after the context (with `anchor_feature`, each row's input adds `anchor_proj` of the
+context vector of the token before the anchor, the latest the target has seen: a direct path that the
+attention would otherwise have to find); one non-causal forward over them gives hidden states, and row
+k predicts the token at anchor + k + 1. Embedding and LM head are the target's; a token map restricts
 the head to a draft vocabulary of V_d target tokens.
 DSPARK adds a rank-r Markov head (row k's logits += W2(W1[prev_k])) and a confidence head
 (c_k = sigmoid(Linear([h_k; W1[prev_k]]) / T_k)).
@@ -61,6 +64,8 @@ class BlockDrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     qk_norm: bool = False
+    context_norm: bool = False            # RMS-normalise each target layer's stream before fc
+    anchor_feature: bool = False          # block rows add anchor_proj(context vector at anchor - 1)
 
     def to_json(self) -> dict:
         return {"architectures": [ARCHITECTURE], **dataclasses.asdict(self)}
@@ -78,6 +83,8 @@ def weight_shapes(c: BlockDrafterConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {"fc.weight": (h, len(c.target_layer_ids) * c.target_hidden_size), "hidden_norm.weight": (h,),
               "model.norm.weight": (h,)}
+    if c.anchor_feature:
+        shapes["anchor_proj.weight"] = (h, h)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
@@ -152,7 +159,8 @@ def load_token_map(path: str | Path) -> torch.Tensor:
 def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_layers: int = 1,
                          block_size: int = 16, target_layer_ids: tuple[int, ...] | None = None,
                          markov_rank: int = 8, token_map: torch.Tensor | None = None,
-                         mask_token_id: int | None = None, qk_norm: bool = False, seed: int = 0,
+                         mask_token_id: int | None = None, qk_norm: bool = False, context_norm: bool = False,
+                         anchor_feature: bool = False, seed: int = 0,
                          dtype: torch.dtype = torch.float32) -> BlockDrafterCheckpoint:
     """A randomly initialised drafter for `target` (tests, and the starting point of training)."""
     dspark = algorithm == "DSPARK"
@@ -166,7 +174,8 @@ def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_
         target_name=target.name, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
         markov_rank=markov_rank if dspark else 0,
         confidence_temperatures=(1.0,) * block_size if dspark else (),
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=qk_norm)
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=qk_norm,
+        context_norm=context_norm, anchor_feature=anchor_feature)
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
@@ -208,6 +217,7 @@ class BlockDrafter:
         # one int8 scale per token would erase the low layers.
         self.fc = Linear(w["fc.weight"])                    # layers * target hidden → hidden
         self.hidden_norm = w["hidden_norm.weight"]
+        self.anchor_proj = Linear(w["anchor_proj.weight"]) if c.anchor_feature else None
         # The context needs only K and V of each layer: a small copy of those rows skips Q. Quantized per
         # row, they are the very rows of the layer's own QKV.
         self.context_kv = [make_linear(torch.cat([w[f"model.layers.{i}.self_attn.k_proj.weight"],
@@ -228,10 +238,12 @@ class BlockDrafter:
         heads = self.w2.num_weights + self.confidence_head.num_weights if self.markov else 0
         return self.model.row_weights() + heads
 
-    def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
-        """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]."""
+    def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      pool: KVPool) -> torch.Tensor:
+        """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]
+        → their context vectors [n, hidden] (a block reads the one before its anchor with anchor_feature)."""
         c = self.config
-        ctx = rms_norm(self.fc(aux), self.hidden_norm, c.rms_norm_eps)
+        ctx = context_vectors(c, aux, self.fc, self.hidden_norm)
         cos, sin = self.model.rope.tables(positions)
         kv_size = c.num_key_value_heads * c.head_dim
         for i, (layer, context_kv) in enumerate(zip(self.model.layers, self.context_kv)):
@@ -241,11 +253,16 @@ class BlockDrafter:
             if layer.k_norm is not None:
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             pool.write(i, slots, apply_rope(k, cos, sin), v)
+        return ctx
 
     def block_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     pool: KVPool) -> torch.Tensor:
-        """input_ids, positions: [n] block rows (spans non-causal) → final-normed hidden [n, hidden]."""
-        return self.model.forward(input_ids, positions, meta, pool)[0]
+                     pool: KVPool, anchor_context: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [n] block rows (spans non-causal); anchor_context: [n, hidden] each row's
+        context vector at its anchor - 1 (anchor_feature only) → final-normed hidden [n, hidden]."""
+        x = self.model.embed[input_ids]
+        if self.anchor_proj is not None:
+            x = x + self.anchor_proj(anchor_context)
+        return self.model.forward_embeds(x, positions, meta, pool)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] → [n, V_d] over the draft vocabulary
@@ -261,25 +278,42 @@ class BlockDrafter:
         return torch.sigmoid(self.confidence_head(features).squeeze(-1) / self.temperatures[rows])
 
 
+def context_vectors(c: BlockDrafterConfig, aux: torch.Tensor, fc, hidden_norm: torch.Tensor) -> torch.Tensor:
+    """aux: [..., len(target_layer_ids) * target hidden] → context vectors [..., hidden]; `fc` maps the
+    last dimension (a Linear at runtime, the trained weight in training)."""
+    if c.context_norm:
+        per_layer = aux.unflatten(-1, (len(c.target_layer_ids), c.target_hidden_size))
+        aux = F.rms_norm(per_layer, (c.target_hidden_size,), eps=c.rms_norm_eps).flatten(-2)
+    return rms_norm(fc(aux), hidden_norm, c.rms_norm_eps)
+
+
 def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed: torch.Tensor, rope: Rope,
                         aux: torch.Tensor, anchors: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
     """The block forward of BlockDrafter, dense and differentiable in the checkpoint's tensors `w`
     (training). aux: [B, L, len(target_layer_ids) * target hidden] of each sequence's tokens;
-    anchors, anchor_ids: [B, A] positions and token ids. Each anchor's block (the anchor, then mask
-    tokens) sees the context of positions < anchor and its own rows, as the paged proposer's does
-    → final-normed hidden [B, A, block_size, hidden]."""
+    anchors, anchor_ids: [B, A] positions (>= 1) and token ids. Each anchor's block (the anchor, then
+    mask tokens) sees the context of positions < anchor and its own rows, as the paged proposer's does
+    → final-normed hidden [B, A, block_size, hidden].
+
+    Attention is split in two parts that share one softmax: every row against the context ([R, L] scores,
+    masked past the row's anchor) and each block's rows against each other ([A, G, G]), so that a step
+    over every answer position costs R * (L + G) scores rather than the R * (L + R) of one dense mask."""
     B, L, _ = aux.shape
     A, G = anchors.shape[1], c.block_size
+    R = A * G
     eps, d, kv_heads = c.rms_norm_eps, c.head_dim, c.num_key_value_heads
-    ctx = rms_norm(aux @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                  # [B, L, hidden]
+    group = c.num_attention_heads // kv_heads
+    ctx = context_vectors(c, aux, lambda t: t @ w["fc.weight"].T, w["hidden_norm.weight"])   # [B, L, hidden]
     ctx_rope = rope.tables(torch.arange(L))
-    block_rope = [t.view(B, A * G, 1, d) for t in rope.tables((anchors[..., None] + torch.arange(G)).flatten())]
+    block_rope = [t.view(B, R, 1, d) for t in rope.tables((anchors[..., None] + torch.arange(G)).flatten())]
     ids = torch.full((B, A, G), c.mask_token_id, dtype=torch.long)
     ids[..., 0] = anchor_ids
-    x = embed[ids.view(B, A * G)]
-    block = torch.arange(A * G) // G
-    sees_context = torch.arange(L) < anchors.repeat_interleave(G, dim=1)[..., None]          # [B, A*G, L]
-    mask = torch.cat([sees_context, (block[:, None] == block).expand(B, -1, -1)], dim=-1)[:, None]
+    x = embed[ids.view(B, R)]                                                                   # [B, R, hidden]
+    if c.anchor_feature:
+        before = ctx.gather(1, (anchors - 1).clamp_min(0)[..., None].expand(-1, -1, ctx.shape[-1]))  # [B, A, hidden]
+        before = before * (anchors > 0)[..., None]         # nothing before position 0, as in the engine
+        x = x + (before @ w["anchor_proj.weight"].T).repeat_interleave(G, dim=1)
+    hidden_mask = torch.arange(L) >= anchors.repeat_interleave(G, dim=1)[..., None]            # [B, R, L]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
 
@@ -288,13 +322,17 @@ def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed
             return rms_norm(out, w[p + f"self_attn.{name}_norm.weight"], eps) if c.qk_norm and name != "v" else out
 
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = apply_rope(proj(h, "q", c.num_attention_heads), *block_rope)
-        k = torch.cat([apply_rope(proj(ctx, "k", kv_heads), *ctx_rope),
-                       apply_rope(proj(h, "k", kv_heads), *block_rope)], dim=1)
-        v = torch.cat([proj(ctx, "v", kv_heads), proj(h, "v", kv_heads)], dim=1)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             scale=d ** -0.5, enable_gqa=True)               # [B, heads, A*G, d]
-        x = x + att.transpose(1, 2).flatten(2) @ w[p + "self_attn.o_proj.weight"].T
+        q = apply_rope(proj(h, "q", c.num_attention_heads), *block_rope).view(B, R, kv_heads, group, d)
+        k_ctx, v_ctx = apply_rope(proj(ctx, "k", kv_heads), *ctx_rope), proj(ctx, "v", kv_heads)   # [B, L, kv, d]
+        k_blk, v_blk = apply_rope(proj(h, "k", kv_heads), *block_rope), proj(h, "v", kv_heads)     # [B, R, kv, d]
+        scores_ctx = torch.einsum("brkgd,blkd->bkgrl", q, k_ctx).masked_fill(hidden_mask[:, None, None], -torch.inf)
+        scores_blk = torch.einsum("bajkgd,bamkd->bkgajm", q.view(B, A, G, kv_heads, group, d),
+                                  k_blk.view(B, A, G, kv_heads, d)).reshape(B, kv_heads, group, R, G)
+        probs = (torch.cat([scores_ctx, scores_blk], dim=-1) * d ** -0.5).softmax(-1)        # [B, kv, g, R, L + G]
+        att = (torch.einsum("bkgrl,blkd->brkgd", probs[..., :L], v_ctx)
+               + torch.einsum("bkgajm,bamkd->bajkgd", probs[..., L:].reshape(B, kv_heads, group, A, G, G),
+                              v_blk.view(B, A, G, kv_heads, d)).reshape(B, R, kv_heads, group, d))
+        x = x + att.flatten(2) @ w[p + "self_attn.o_proj.weight"].T
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T

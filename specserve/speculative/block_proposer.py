@@ -51,6 +51,7 @@ class BlockDrafterProposer(CommittedContext):
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written
         self.pending: dict[str, list[float]] = {}   # request id → confidences of the block drafts verified now
+        self.last_context: dict[str, torch.Tensor] = {}   # request id → context vector [hidden] of its last token
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
 
     @classmethod
@@ -123,7 +124,14 @@ class BlockDrafterProposer(CommittedContext):
             positions += range(anchor, anchor + job.num_drafts)
             spans.append(SeqSpan(req.pages, anchor, job.num_drafts, causal=False))
         meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
-        hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
+        anchor_context = None
+        if self.drafter.anchor_proj is not None:
+            # an anchor at position 0 (a one-token prompt) has no context before it: a zero vector
+            none = torch.zeros(self.drafter.config.hidden_size, dtype=self.drafter.hidden_norm.dtype)
+            anchor_context = torch.stack([self.last_context.get(job.request.request_id, none) for job in jobs
+                                          for _ in range(job.num_drafts)])
+        hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool,
+                                           anchor_context)
         offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
         drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
         confidences: list[list[float] | None] = [None] * len(jobs)
@@ -181,7 +189,7 @@ class BlockDrafterProposer(CommittedContext):
             confidences = self.pending.pop(s.request.request_id, None)
             if confidences is not None and res is not None and not s.request.finished:
                 self.policy.verified(s.request, confidences, res.num_accepted)
-        rows, positions, slots = [], [], []
+        rows, positions, slots, last_rows = [], [], [], {}
         for s, offset in zip(plan.scheduled, out.token_offsets):
             req = s.request
             # A finished request's pages are gone; a gap in the context would never fill, so such a
@@ -193,13 +201,17 @@ class BlockDrafterProposer(CommittedContext):
             positions += range(s.start, end)
             slots += slots_for(req.pages, s.start, end, self.pool.page_size)
             self.num_valid[req.request_id] = end
+            last_rows[req.request_id] = len(rows) - 1
         if rows:
             aux = torch.cat([h[rows] for h in out.aux_hidden], dim=-1)
-            self.drafter.write_context(aux, torch.tensor(positions), torch.tensor(slots), self.pool)
+            context = self.drafter.write_context(aux, torch.tensor(positions), torch.tensor(slots), self.pool)
+            if self.drafter.anchor_proj is not None:
+                self.last_context |= {rid: context[row].clone() for rid, row in last_rows.items()}
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
         self.pending.pop(req.request_id, None)
+        self.last_context.pop(req.request_id, None)
         self.policy.release(req)
         if self.hybrid is not None:
             self.hybrid.release(req)

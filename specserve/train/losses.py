@@ -5,7 +5,11 @@ the sequence, so the valid rows of a block are a prefix. Per valid row the loss 
 to the target's token with the L1 distance between the draft's and the target's distributions, and
 weighs row k by exp(-k / decay): later rows only count when every earlier draft was accepted.
 DSPARK's confidence head learns the row's acceptance probability a_k = 1 - ½‖p_draft - p_target‖₁
-(what the verifier accepts with when it samples) by binary cross-entropy."""
+(what the verifier accepts with when it samples) by binary cross-entropy.
+
+The target's distribution is known on its k likeliest tokens (the feature cache keeps no more), so the
+overlap Σ min(p_draft, p_target) that a equals is summed over those: a lower bound, exact when the k
+tokens hold all of the target's mass, and k gathered values per row instead of the whole vocabulary."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +27,17 @@ class LossWeights:
 
 
 @dataclass(frozen=True)
+class TargetTopK:
+    ids: torch.Tensor             # [..., k] draft ids of the target's likeliest tokens, -1 outside the draft vocabulary
+    probs: torch.Tensor           # [..., k] their target probabilities
+
+    @staticmethod
+    def dense(probs: torch.Tensor) -> TargetTopK:
+        """A distribution given on the whole draft vocabulary ([..., V_d]) as its own top V_d."""
+        return TargetTopK(torch.arange(probs.shape[-1]).expand(probs.shape), probs)
+
+
+@dataclass(frozen=True)
 class LossTerms:
     total: torch.Tensor           # scalar, differentiable
     ce: float
@@ -30,6 +45,7 @@ class LossTerms:
     confidence: float             # BCE of the confidence head (0 without one)
     acceptance: float             # mean a_k over valid rows
     accept_length: float          # expected greedy acceptance length per block: 1 + leading argmax matches
+    rows: int                     # valid rows (training throughput counts these)
 
 
 def row_weights(block_size: int, decay: float) -> torch.Tensor:
@@ -43,27 +59,28 @@ def valid_rows(anchors: torch.Tensor, anchor_valid: torch.Tensor,   # [B, A] pos
     return anchor_valid[..., None] & (next_pos < lengths[:, None, None])
 
 
-def acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """a = 1 - ½‖p_d - p_t‖₁ over the whole vocabulary, given both on the draft vocabulary ([..., V_d]):
-    the drafter puts no mass outside it, so the target's mass there counts in full. → [...]"""
-    outside = (1 - target_probs.sum(-1)).clamp_min(0)
-    return 1 - 0.5 * ((draft_probs - target_probs).abs().sum(-1) + outside)
+def acceptance(draft_log_probs: torch.Tensor, target: TargetTopK) -> torch.Tensor:
+    """a = 1 - ½‖p_d - p_t‖₁ = Σ min(p_d, p_t) over the target's top k tokens, the draft given as log
+    probabilities on the draft vocabulary ([..., V_d]; it puts no mass outside it) → [...]"""
+    inside = target.ids >= 0
+    draft = draft_log_probs.gather(-1, target.ids.clamp_min(0)).exp()             # [..., k]
+    return (torch.minimum(draft, target.probs) * inside).sum(-1)
 
 
 def block_loss(draft_logits: torch.Tensor,     # [N, G, V_d] (Markov term included)
-               target_probs: torch.Tensor,     # [N, G, V_d] the target's distribution on the draft vocabulary
+               target: TargetTopK,             # [N, G, k] the target's likeliest tokens
                target_ids: torch.Tensor,       # [N, G] draft id of the true next token, -1 outside the map
                valid: torch.Tensor,            # [N, G] bool, a prefix per block
                confidence_logits: torch.Tensor | None = None,   # [N, G] before the temperature
                weights: LossWeights = LossWeights()) -> LossTerms:
     # bfloat16 logits from autocast are promoted; float64 stays float64 (tests)
     draft_logits = draft_logits.to(torch.promote_types(draft_logits.dtype, torch.float32))
-    target_probs = target_probs.to(draft_logits.dtype)
+    target = TargetTopK(target.ids, target.probs.to(draft_logits.dtype))
     w = row_weights(valid.shape[1], weights.decay).to(draft_logits) * valid
     total_w = w.sum().clamp_min(1e-12)
-    ce = F.cross_entropy(draft_logits.flatten(0, 1), target_ids.clamp_min(0).flatten(),
-                         reduction="none").view_as(w) * (target_ids >= 0)
-    a = acceptance(draft_logits.softmax(-1), target_probs)
+    log_probs = draft_logits.log_softmax(-1)
+    ce = -log_probs.gather(-1, target_ids.clamp_min(0)[..., None]).squeeze(-1) * (target_ids >= 0)
+    a = acceptance(log_probs, target)
     dist = 2 * (1 - a)                                  # = ‖p_d - p_t‖₁
     total = ((weights.ce * ce + weights.dist * dist) * w).sum() / total_w
     bce = torch.zeros(())
@@ -77,7 +94,7 @@ def block_loss(draft_logits: torch.Tensor,     # [N, G, V_d] (Markov term includ
         accept_length = 1 + match.long().cumprod(-1).sum(-1)[blocks].double().mean()
         n = valid.sum().clamp_min(1)
         return LossTerms(total, float((ce * w).sum() / total_w), float((dist * w).sum() / total_w), float(bce),
-                         float((a * valid).sum() / n), float(accept_length) if blocks.any() else 0.0)
+                         float((a * valid).sum() / n), float(accept_length) if blocks.any() else 0.0, int(valid.sum()))
 
 
 def fit_temperatures(logits: torch.Tensor, targets: torch.Tensor,   # [N, G] confidence logits, soft labels

@@ -33,7 +33,7 @@ def measure_acceptance(target: LoadedCheckpoint, folder: Path, config: BlockDraf
 
 
 def model_card(ckpt: BlockDrafterCheckpoint | EagleCheckpoint, rows_per_step: int, summary: dict[str, str],
-               acceptance_lengths: dict[str, tuple[int, float]]) -> str:
+               acceptance_lengths: dict[str, tuple[int, float]], held_out: dict | None = None) -> str:
     c = ckpt.config
     eagle = isinstance(c, EagleConfig)
     params = sum(v.numel() for k, v in ckpt.weights.items() if k != "token_map")
@@ -59,6 +59,19 @@ def model_card(ckpt: BlockDrafterCheckpoint | EagleCheckpoint, rows_per_step: in
              + (f" `--speculative-num-draft-tokens {rows_per_step}`." if eagle else "."), "",
              "## Architecture", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
              "## Training", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in summary.items()), ""]
+    if held_out:
+        rows_shown = range(len(held_out["row_top1"]))
+        lines += ["## Held-out rows", "",
+                  f"Teacher-forced on {held_out['examples']} held-out answers, a block at every answer position "
+                  f"({held_out['blocks']:,} blocks): row k's top-1 agreement with the target's greedy token after "
+                  "position a + k, and the greedy acceptance length of a block (bonus token included). The bigram "
+                  "drafts the most frequent next token of the training answers.", "",
+                  "| drafter | " + " | ".join(f"row {k}" for k in rows_shown) + " | acceptance length |",
+                  "|---|" + "---|" * (len(rows_shown) + 1),
+                  "| this | " + " | ".join(f"{x:.3f}" for x in held_out["row_top1"])
+                  + f" | {held_out['accept_length']:.2f} |",
+                  "| count bigram | " + " | ".join(f"{x:.3f}" for x in held_out["bigram_row_top1"])
+                  + f" | {held_out['bigram_accept_length']:.2f} |", ""]
     if acceptance_lengths:
         lines += ["## Acceptance length", "",
                   f"Greedy decoding of first turns, {rows_per_step} drafts per step, every draft verified; acceptance "

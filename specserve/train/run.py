@@ -6,6 +6,7 @@ its acceptance lengths (report.py)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -21,7 +22,15 @@ from specserve.models.eagle import EagleCheckpoint
 from specserve.train.data import Example, build_token_map, is_regenerated, load_examples, regenerate
 from specserve.train.losses import LossWeights
 from specserve.train.report import measure_acceptance, model_card
-from specserve.train.trainer import DrafterTrainer, TrainConfig, saved_token_map, usable_examples
+from specserve.train.features import FeatureCache, TargetPass
+from specserve.train.trainer import (
+    DrafterTrainer,
+    TrainConfig,
+    count_bigram,
+    saved_token_map,
+    sequence,
+    usable_examples,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +39,13 @@ ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH", "eagle": "EAGLE"}
 
 def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainConfig, out: Path, work_dir: Path,
                   resume: bool = False, eval_workloads: dict[str, list[list[int]]] | None = None,
-                  eval_prompts: int = 8, eval_max_new_tokens: int = 128,
-                  source: str = "") -> BlockDrafterCheckpoint | EagleCheckpoint:
-    """Train on `examples`, calibrate on the held-out ones, export to `out` with its model card, whose
-    acceptance table covers `eval_prompts` held-out prompts and the given workloads (chat token ids)."""
+                  eval_prompts: int = 8, eval_max_new_tokens: int = 128, source: str = "",
+                  quantization: str | None = None,
+                  features_dir: Path | None = None) -> BlockDrafterCheckpoint | EagleCheckpoint:
+    """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
+    quantized weights; cached under `features_dir`, default work_dir/features), calibrate on the held-out
+    ones, export to `out` with its model card: held-out row accuracy against a count bigram, and an
+    acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     usable = usable_examples(examples, cfg.max_len)
     holdout_count = min(cfg.holdout, len(usable) // 10)
@@ -49,14 +61,27 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                  else None if cfg.algorithm == "EAGLE"
                  else build_token_map(train_set, cfg.draft_vocab, target.config.vocab_size))
     trainer = DrafterTrainer(target, cfg, token_map)
+    quantization = quantization or ("int8" if target.quantized else "none")
+    target_pass = TargetPass(target, trainer.config.target_layer_ids, cfg.target_top_k, quantization, trainer.dtype)
+    sequences = [sequence(e) for e in usable]
+    cache = FeatureCache.build(features_dir or work_dir / "features",
+                               FeatureCache.key(target, target_pass, quantization), sequences, target_pass)
+    del target_pass
     if resuming:
         trainer.load(state_path)
         log.info("resuming at step %d", trainer.step)
-    elif state_path.exists():
-        state_path.unlink()
-    trainer.train(train_set, state_path, log_path=work_dir / "train_log.jsonl")
-    ckpt = trainer.checkpoint(trainer.calibrate(holdout))
+    else:
+        if state_path.exists():
+            state_path.unlink()
+        if cfg.algorithm == "DSPARK" and cfg.markov_init == "bigram":
+            trainer.init_markov_from_bigram(train_set)
+    trainer.train(train_set, lambda indices: cache.read([holdout_count + i for i in indices]), state_path,
+                  log_path=work_dir / "train_log.jsonl")
+    ckpt = trainer.checkpoint(trainer.calibrate(holdout, cache.read))
     ckpt.save(out)
+    held_out = trainer.evaluate(holdout, cache.read, count_bigram(train_set, target.config.vocab_size)) if holdout \
+        else None
+    (work_dir / "held_out.json").write_text(json.dumps(held_out))
     workloads = {"held-out": [e.prompt_ids for e in holdout[:eval_prompts]], **(eval_workloads or {})}
     workloads = {name: prompts for name, prompts in workloads.items() if prompts}
     table = measure_acceptance(target, out, ckpt.config, cfg.block_size, str(trainer.dtype).removeprefix("torch."),
@@ -69,7 +94,8 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                "loss": f"{cfg.loss.ce:g} CE + {cfg.loss.dist:g} L1, row weight exp(-k/{cfg.loss.decay:g})"
                        + (f" + {cfg.loss.confidence:g} confidence BCE" if cfg.algorithm == "DSPARK" else ""),
                "training time": f"{trainer.elapsed:,.0f} s ({torch.get_num_threads()} threads, {cfg.dtype})"}
-    (out / "README.md").write_text(model_card(ckpt, cfg.block_size, summary, table))
+    summary["target features"] = f"{quantization} target, top-{cfg.target_top_k} probabilities"
+    (out / "README.md").write_text(model_card(ckpt, cfg.block_size, summary, table, held_out))
     return ckpt
 
 
@@ -108,7 +134,18 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--max-steps", type=int, default=d.max_steps)
     a("--time-budget", type=duration, default=None, help="training time across resumes: 90m, 3h or seconds")
     a("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    a("--anchors", type=int, default=d.anchors, help="random blocks per sequence")
+    a("--anchors", type=int, default=d.anchors, help="random blocks per sequence (0: one at every answer position)")
+    a("--context-norm", action=argparse.BooleanOptionalAction, default=d.context_norm,
+      help="block drafters: RMS-normalise each target layer's stream before fc")
+    a("--anchor-feature", action=argparse.BooleanOptionalAction, default=d.anchor_feature,
+      help="block drafters: every block row reads the context vector of the token before the anchor")
+    a("--markov-init", choices=["bigram", "random"], default=d.markov_init,
+      help="DSPARK: start the Markov head from a rank-r fit of the training answers' bigram, or at random")
+    a("--target-top-k", type=int, default=d.target_top_k,
+      help="target probabilities cached per position for the distribution loss")
+    a("--quantization", choices=["none", "int8"], default=None,
+      help="the target's numerics for its features (default: as served, int8 for quantized weights)")
+    a("--features-dir", default=None, help="feature cache root (default: WORK_DIR/features), shareable between runs")
     a("--max-len", type=int, default=d.max_len, help="tokens per training sequence")
     a("--holdout", type=int, default=d.holdout, help="examples kept for calibration (at most a tenth)")
     a("--lr", type=float, default=d.lr)
@@ -145,7 +182,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       markov_rank=args.markov_rank, draft_vocab=args.draft_vocab,
                       target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
                       max_steps=args.max_steps, time_budget=args.time_budget, batch_size=args.batch_size,
-                      anchors=args.anchors, max_len=args.max_len, holdout=args.holdout, lr=args.lr,
+                      anchors=args.anchors, context_norm=args.context_norm, anchor_feature=args.anchor_feature,
+                      target_top_k=args.target_top_k, markov_init=args.markov_init, max_len=args.max_len, holdout=args.holdout, lr=args.lr,
                       warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=args.dtype,
                       save_every=args.save_every, seed=args.seed,
                       loss=LossWeights(ce=args.loss_ce, dist=args.loss_dist, decay=args.loss_decay))
@@ -174,6 +212,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     workloads = (eval_workloads(args.eval_workloads, target.tokenizer, args.eval_prompts, args.max_prompt_tokens)
                  if args.eval_prompts else {})
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
+                  quantization=args.quantization, features_dir=Path(args.features_dir) if args.features_dir else None,
                   eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source)
     print(out)
     return 0

@@ -1,11 +1,14 @@
-"""The drafter trainer: batches of regenerated examples, random block anchors, the frozen target, the
-drafter's tensors and optimizer (AdamW, warmup + cosine, gradient clipping), checkpoints that resume bit
-for bit, and the calibration of DSPARK's confidence temperatures.
+"""The drafter trainer: batches of regenerated examples with what the target said about them (features.py:
+its layers' streams and top-k next tokens, from the feature cache), block anchors (every answer position,
+or a random subset), the drafter's tensors and optimizer (AdamW, warmup + cosine, gradient clipping),
+checkpoints that resume bit for bit, a held-out row-accuracy report and the calibration of DSPARK's
+confidence temperatures.
 
-A step runs the target once over a batch of whole sequences without gradients (its hidden states and
-distributions are constants), draws random anchors per sequence, and runs every anchor's block through
-the drafter densely (models/block_drafter.py `dense_block_forward`), the same computation as the
-engine's paged proposer: the block at anchor a sees the context of positions < a and its own rows.
+A step never runs the target: it runs every anchor's block through the drafter densely
+(models/block_drafter.py `dense_block_forward`), the same computation as the engine's paged proposer:
+the block at anchor a sees the context of positions < a and its own rows. Row k learns the target's
+argmax after position a + k (cross-entropy) and its distribution (L1 distance against the top-k
+probabilities; the tail beyond k counts as mass the draft cannot match, so the distance is an upper bound).
 EAGLE trains the same way with block_size chain rows per anchor instead of a block (models/eagle.py
 `dense_chain_forward`: each row feeds the next its own output feature, as when drafting), over the
 target's full vocabulary; it has no token map, Markov or confidence head."""
@@ -17,14 +20,13 @@ import json
 import math
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specserve.attention.sdpa import AttentionMetadata, SeqSpan
-from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import LoadedCheckpoint
 from specserve.models import DTYPES
 from specserve.models.block_drafter import (
@@ -35,11 +37,19 @@ from specserve.models.block_drafter import (
 )
 from specserve.models.eagle import EagleCheckpoint, EagleConfig, dense_chain_forward, random_eagle
 from specserve.models.layers import Rope
-from specserve.models.llama import LlamaModel
 from specserve.train.data import Example
-from specserve.train.losses import LossTerms, LossWeights, acceptance, block_loss, fit_temperatures, valid_rows
+from specserve.train.features import TargetFeatures
+from specserve.train.losses import (
+    LossTerms,
+    LossWeights,
+    TargetTopK,
+    acceptance,
+    block_loss,
+    fit_temperatures,
+    valid_rows,
+)
 
-PAGE_SIZE = 64                     # of the target's scratch KV pool
+Features = Callable[[list[int]], TargetFeatures]    # example indices → what the target said about them
 
 
 @dataclass(frozen=True)
@@ -50,10 +60,15 @@ class TrainConfig:
     markov_rank: int = 64
     draft_vocab: int = 8192
     target_layer_ids: tuple[int, ...] | None = None     # None: 5 spread evenly (EAGLE: 3)
+    context_norm: bool = True           # block drafters: RMS-normalise each target layer's stream before fc
+    anchor_feature: bool = True         # block drafters: rows read the context vector before the anchor
+    target_top_k: int = 32              # target probabilities kept per position for the distribution loss
+    markov_init: str = "bigram"         # DSPARK: "bigram" (rank-r SVD of the training answers' log P(next | prev))
+                                        # or "random"
     max_steps: int = 2000
     time_budget: float | None = None    # seconds of training, across resumes; the LR follows whichever ends first
     batch_size: int = 4                 # sequences per step
-    anchors: int = 64                   # blocks per sequence
+    anchors: int = 0                    # blocks per sequence; 0: one at every answer position
     max_len: int = 1024                 # tokens per sequence (prompt + answer); longer ones are cut
     holdout: int = 64                   # examples kept back for calibration
     lr: float = 6e-4
@@ -71,23 +86,32 @@ class Batch:
     tokens: torch.Tensor               # [B, L] prompt + answer, zero-padded
     lengths: torch.Tensor              # [B]
     prompt_lens: torch.Tensor          # [B]
+    target: TargetFeatures             # [B, L, ...]
 
 
 @dataclass(frozen=True)
 class BlockOutputs:
     draft_logits: torch.Tensor               # [N, G, V_d] with the Markov term of the true previous token
-    target_probs: torch.Tensor               # [N, G, V_d] the target's distribution of the row's token
-    target_ids: torch.Tensor                 # [N, G] draft id of the true token, -1 outside the map
+    target: TargetTopK                       # [N, G, k] the target's likeliest tokens for the row
+    target_ids: torch.Tensor                 # [N, G] draft id of the target's greedy token, -1 outside the map
+    prev_ids: torch.Tensor                   # [N, G] the token at a + k that row k follows (target ids)
     valid: torch.Tensor                      # [N, G]
     confidence_logits: torch.Tensor | None   # [N, G] before the temperature (DSPARK)
 
 
-def make_batch(examples: list[Example]) -> Batch:
-    seqs = [e.prompt_ids + e.output_ids for e in examples]
+def sequence(example: Example) -> list[int]:
+    return example.prompt_ids + example.output_ids
+
+
+def make_batch(examples: list[Example], target: TargetFeatures) -> Batch:
+    seqs = [sequence(e) for e in examples]
     tokens = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     for b, seq in enumerate(seqs):
         tokens[b, :len(seq)] = torch.tensor(seq)
-    return Batch(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor([len(e.prompt_ids) for e in examples]))
+    if target.aux.shape[:2] != tokens.shape:
+        raise ValueError(f"target features of shape {list(target.aux.shape[:2])} for a batch of {list(tokens.shape)}")
+    return Batch(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor([len(e.prompt_ids) for e in examples]),
+                 target)
 
 
 def usable_examples(examples: list[Example], max_len: int) -> list[Example]:
@@ -115,21 +139,25 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> l
 
 
 def sample_anchors(batch: Batch, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `count` distinct random anchors per sequence → positions [B, count] and validity [B, count].
-    Anchors are answer tokens with a next token: the engine's first block follows the first generated
-    token, whose context is the whole prompt."""
+    """Up to `count` distinct random anchors per sequence (0: every one) → positions [B, A] and validity
+    [B, A]. Anchors are answer tokens with a next token: the engine's first block follows the first
+    generated token, whose context is the whole prompt."""
+    starts = batch.prompt_lens.clamp_min(1)
+    spans = (batch.lengths - 1 - starts).clamp_min(0)
+    count = count or max(int(spans.max()), 1)
     anchors = torch.zeros(len(batch.lengths), count, dtype=torch.long)
     valid = torch.zeros(len(batch.lengths), count, dtype=torch.bool)
-    for b, (start, length) in enumerate(zip(batch.prompt_lens.tolist(), batch.lengths.tolist())):
-        start = max(start, 1)
-        picks = start + torch.randperm(max(length - 1 - start, 0), generator=generator)[:count].sort().values
+    for b, (start, span) in enumerate(zip(starts.tolist(), spans.tolist())):
+        order = torch.randperm(span, generator=generator) if count < span else torch.arange(span)
+        picks = start + order[:count].sort().values
         anchors[b, :len(picks)] = picks
         valid[b, :len(picks)] = True
     return anchors, valid
 
 
 class DrafterTrainer:
-    """A drafter's trainable tensors (Hugging Face layout), its optimizer and the frozen target."""
+    """A drafter's trainable tensors (Hugging Face layout), its optimizer and the target's frozen embedding
+    and LM head, which the drafter shares."""
 
     def __init__(self, target: LoadedCheckpoint, cfg: TrainConfig, token_map: torch.Tensor | None) -> None:
         self.cfg = cfg
@@ -137,7 +165,7 @@ class DrafterTrainer:
         self.autocast = dtype is torch.bfloat16
         self.dtype = torch.float32 if self.autocast else dtype
         tc = target.config
-        self.target = LlamaModel(tc, target.weights, self.dtype)
+        self.embed = target.weights["model.embed_tokens.weight"].to(self.dtype)     # [vocab, hidden]
         if cfg.algorithm == "EAGLE":
             if token_map is not None or cfg.num_layers != 1:
                 raise ValueError("an EAGLE head has one layer and drafts over the target's whole vocabulary "
@@ -146,7 +174,8 @@ class DrafterTrainer:
         else:
             init = random_block_drafter(tc, cfg.algorithm, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
-                                        token_map=token_map, seed=cfg.seed, dtype=self.dtype)
+                                        token_map=token_map, context_norm=cfg.context_norm,
+                                        anchor_feature=cfg.anchor_feature, seed=cfg.seed, dtype=self.dtype)
         self.config: BlockDrafterConfig | EagleConfig = init.config
         if cfg.max_len + cfg.block_size > tc.max_position_embeddings:
             raise ValueError(f"--max-len {cfg.max_len} plus the block size exceeds the target's "
@@ -158,53 +187,42 @@ class DrafterTrainer:
         self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids))
         # tokens outside the map take the Markov head's extra all-zero row, as in the engine
         self.markov_index = torch.where(self.to_draft >= 0, self.to_draft, len(self.draft_ids))
-        self.head = self.target.head.plain[:, self.draft_ids].contiguous()      # [hidden, V_d], frozen
+        head = self.embed if tc.tie_word_embeddings else target.weights["lm_head.weight"].to(self.dtype)
+        self.head = head[self.draft_ids].T.contiguous()                          # [hidden, V_d], frozen
         self.rope = Rope(self.config.head_dim, self.config.rope_theta, tc.max_position_embeddings, self.dtype)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         self.step = 0
         self.elapsed = 0.0
-        self.pool: KVPool | None = None
+
+    @torch.no_grad()
+    def init_markov_from_bigram(self, examples: list[Example]) -> None:
+        """DSPARK's Markov head as the best rank-r fit of the count bigram on the draft vocabulary: w2 ·
+        w1[prev] ≈ log P(next | prev) - its mean over next (add-one smoothing; tokens outside the map are
+        left out), so that training starts from what a bigram table knows."""
+        V = len(self.draft_ids)
+        prev_next = torch.cat([torch.stack([torch.tensor(e.output_ids[:-1]), torch.tensor(e.output_ids[1:])])
+                               for e in examples if len(e.output_ids) > 1], dim=1)              # [2, pairs]
+        prev, nxt = self.to_draft[prev_next[0]], self.to_draft[prev_next[1]]
+        keep = (prev >= 0) & (nxt >= 0)
+        counts = torch.ones(V, V).index_put_((prev[keep], nxt[keep]), torch.ones(int(keep.sum())), accumulate=True)
+        log_p = counts.log() - counts.sum(1, keepdim=True).log()
+        centred = log_p - log_p.mean(1, keepdim=True)
+        r = self.params["markov.w1.weight"].shape[1]
+        u, sv, v = torch.svd_lowrank(centred, q=r, niter=4)
+        self.params["markov.w1.weight"].copy_(u * sv.sqrt())                # [V_d, r]
+        self.params["markov.w2.weight"].copy_(v * sv.sqrt())                # [V_d, r]
 
     # ---- forward ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def target_pass(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target over each whole sequence (causal, unpadded) → final-normed hidden [B, L, hidden]
-        and the residual streams after target_layer_ids, concatenated: [B, L, K * hidden]."""
-        B, L = batch.tokens.shape
-        per_seq = -(-L // PAGE_SIZE)
-        if self.pool is None or self.pool.num_pages < B * per_seq:
-            self.pool = KVPool(KVGeometry.of(self.target.config, self.dtype), B * per_seq, PAGE_SIZE)
-        lengths = batch.lengths.tolist()
-        spans = [SeqSpan(list(range(b * per_seq, (b + 1) * per_seq)), 0, n) for b, n in enumerate(lengths)]
-        meta = AttentionMetadata.build(spans, PAGE_SIZE, self.pool.null_slot)
-        inside = torch.arange(L) < batch.lengths[:, None]                     # [B, L]
-        hidden, aux = self.target.forward(batch.tokens[inside], torch.arange(L).expand(B, L)[inside], meta,
-                                          self.pool, self.config.target_layer_ids)
-        full_hidden = hidden.new_zeros(B, L, hidden.shape[-1])
-        full_hidden[inside] = hidden
-        full_aux = hidden.new_zeros(B, L, len(aux) * aux[0].shape[-1])
-        full_aux[inside] = torch.cat(aux, dim=-1)
-        return full_hidden, full_aux
+    def target_top_k(self, batch: Batch, positions: torch.Tensor) -> TargetTopK:   # [B, A, G] → [B, A, G, k]
+        """The target's likeliest tokens after each row's position, in draft ids."""
+        inside = positions.clamp(max=batch.tokens.shape[1] - 1).flatten(1)
+        k = batch.target.top_ids.shape[-1]
 
-    @torch.no_grad()
-    def target_probs(self, hidden: torch.Tensor, positions: torch.Tensor,   # [B, L, hidden], [B, A, G]
-                     valid: torch.Tensor) -> torch.Tensor:                   # [B, A, G] → [B, A, G, V_d]
-        """The target's distribution at each valid row's position, on the draft vocabulary; each
-        position's LM head runs once however many blocks cover it."""
-        B, L, _ = hidden.shape
-        seq = torch.arange(B)[:, None, None].expand_as(positions)[valid]
-        pos = positions[valid]
-        needed = torch.zeros(B, L, dtype=torch.bool)
-        needed[seq, pos] = True
-        index = needed.flatten().cumsum(0).view(B, L) - 1
-        chunks = []
-        for rows in hidden[needed].split(1024):
-            logits = self.target.logits(rows)                                  # [n, vocab]
-            chunks.append((logits[:, self.draft_ids] - logits.logsumexp(-1, keepdim=True)).exp())
-        probs = hidden.new_zeros(*positions.shape, len(self.draft_ids))
-        probs[valid] = torch.cat(chunks)[index[seq, pos]]
-        return probs
+        def at(t: torch.Tensor) -> torch.Tensor:                               # [B, L, k] → [B, A, G, k]
+            return t.gather(1, inside[..., None].expand(-1, -1, k)).view(*positions.shape, k)
+
+        return TargetTopK(self.to_draft[at(batch.target.top_ids)], at(batch.target.top_probs))
 
     def heads(self, hidden: torch.Tensor,              # [..., hidden] block rows
               prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:   # [...] previous token ids
@@ -224,32 +242,32 @@ class DrafterTrainer:
         return logits, confidence
 
     def forward(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> BlockOutputs:
-        """Every anchor's block ([B, A] positions) with its targets, flattened to N = B * A blocks."""
+        """The block of every valid anchor ([B, A] positions; the valid ones a prefix of each row) with its
+        targets, flattened to N blocks in batch order. Block drafters run one sequence at a time, unpadded:
+        with a block at every answer position, padding would be ~40% of the rows."""
         G = self.cfg.block_size
-        hidden, aux = self.target_pass(batch)
+        aux = batch.target.aux.to(self.dtype)
         positions = anchors[..., None] + torch.arange(G)                       # [B, A, G] row positions
         valid = valid_rows(anchors, anchor_valid, batch.lengths, G)
-        last = batch.tokens.shape[1] - 1
-
-        def tokens_at(pos: torch.Tensor) -> torch.Tensor:
-            return batch.tokens.gather(1, pos.clamp(max=last).flatten(1)).view_as(pos)
-
-        prev, following = tokens_at(positions), tokens_at(positions + 1)      # row k: tokens at a+k, a+k+1
-        target_probs = self.target_probs(hidden, positions, valid)
+        inside = positions.clamp(max=batch.tokens.shape[1] - 1).flatten(1)
+        prev = batch.tokens.gather(1, inside).view_as(positions)                # row k: the token at a + k
+        top = self.target_top_k(batch, positions)                               # and the target's next ones
+        target = TargetTopK(top.ids[anchor_valid], top.probs[anchor_valid])
         with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
             if self.config.algorithm == "EAGLE":
-                rows = dense_chain_forward(self.config, self.params, self.target.embed, self.rope, aux, batch.tokens,
-                                           anchors, G)
+                rows = dense_chain_forward(self.config, self.params, self.embed, self.rope, aux, batch.tokens,
+                                           anchors, G)[anchor_valid]
             else:
-                rows = dense_block_forward(self.config, self.params, self.target.embed, self.rope, aux, anchors,
-                                           prev[..., 0])
-            logits, confidence = self.heads(rows, prev)
-        return BlockOutputs(logits.flatten(0, 1), target_probs.flatten(0, 1), self.to_draft[following].flatten(0, 1),
-                            valid.flatten(0, 1), None if confidence is None else confidence.flatten(0, 1))
+                rows = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
+                                                      aux[b:b + 1, :length], anchors[b:b + 1, :n], prev[b:b + 1, :n, 0])[0]
+                                  for b, (length, n) in enumerate(zip(batch.lengths.tolist(),
+                                                                      anchor_valid.sum(1).tolist())) if n])
+            logits, confidence = self.heads(rows, prev[anchor_valid])
+        return BlockOutputs(logits, target, target.ids[..., 0], prev[anchor_valid], valid[anchor_valid], confidence)
 
     def losses(self, batch: Batch, generator: torch.Generator) -> LossTerms:
         out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator))
-        return block_loss(out.draft_logits, out.target_probs, out.target_ids, out.valid, out.confidence_logits,
+        return block_loss(out.draft_logits, out.target, out.target_ids, out.valid, out.confidence_logits,
                           self.cfg.loss)
 
     # ---- training --------------------------------------------------------------------------------
@@ -278,28 +296,31 @@ class DrafterTrainer:
     def out_of_time(self) -> bool:
         return self.cfg.time_budget is not None and self.elapsed >= self.cfg.time_budget
 
-    def train(self, examples: list[Example], state_path: Path, until: int | None = None,
+    def train(self, examples: list[Example], features: Features, state_path: Path, until: int | None = None,
               log_path: Path | None = None) -> None:
         """Train up to step `until` (default max_steps) or the time budget, saving the state every
-        save_every steps and at the end."""
+        save_every steps and at the end. `features` gives the target's view of examples by index."""
         cfg = self.cfg
         until = min(until or cfg.max_steps, cfg.max_steps)
         start, elapsed_before = time.perf_counter(), self.elapsed
         running: dict[str, float] = {}
+        rows = 0
         with tqdm(initial=self.step, total=until, desc=f"train {self.config.algorithm}", unit="step") as bar:
             while self.step < until and not self.out_of_time():
-                batch = make_batch([examples[i] for i in batch_indices(len(examples), cfg.batch_size, self.step,
-                                                                       cfg.seed)])
+                indices = batch_indices(len(examples), cfg.batch_size, self.step, cfg.seed)
+                batch = make_batch([examples[i] for i in indices], features(indices))
                 terms, lr = self.train_step(batch)
                 self.elapsed = elapsed_before + time.perf_counter() - start
-                now = {"loss": terms.total.item(), "acc": terms.acceptance, "tau": terms.accept_length}
+                rows += terms.rows
+                now = {"loss": terms.total.item(), "acc": terms.acceptance, "tau": terms.accept_length,
+                       "rows/s": rows / max(self.elapsed - elapsed_before, 1e-9)}
                 running = {k: v if k not in running else 0.9 * running[k] + 0.1 * v for k, v in now.items()}
                 bar.update(1)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in running.items()})
                 if log_path is not None:
                     with open(log_path, "a") as f:
                         f.write(json.dumps({"step": self.step, "lr": lr, "elapsed": round(self.elapsed, 2),
-                                            "tokens": int(batch.lengths.sum()),
+                                            "tokens": int(batch.lengths.sum()), "rows": terms.rows,
                                             **{k: getattr(terms, k) for k in ("ce", "dist", "confidence",
                                                                               "acceptance", "accept_length")},
                                             "loss": terms.total.item()}) + "\n")
@@ -328,20 +349,51 @@ class DrafterTrainer:
         self.step, self.elapsed = state["step"], state["elapsed"]
 
     # ---- calibration and export ------------------------------------------------------------------
+    def held_out(self, examples: list[Example], features: Features, desc: str) -> Iterator[BlockOutputs]:
+        """Every anchor's block of each held-out example, a batch at a time."""
+        B = self.cfg.batch_size
+        for i in tqdm(range(0, len(examples), B), desc=desc, unit="batch"):
+            indices = list(range(i, min(i + B, len(examples))))
+            batch = make_batch([examples[j] for j in indices], features(indices))
+            yield self.forward(batch, *sample_anchors(batch, 0, seeded(self.cfg.seed, 3, i)))
+
     @torch.no_grad()
-    def calibrate(self, examples: list[Example]) -> tuple[float, ...]:
+    def calibrate(self, examples: list[Example], features: Features) -> tuple[float, ...]:
         """DSPARK's confidence temperatures T_k, fitted on held-out examples (DFLASH has none)."""
         if self.config.algorithm != "DSPARK" or not examples:
             return ()
         logits, targets, valid = [], [], []
-        B = self.cfg.batch_size
-        for i in tqdm(range(0, len(examples), B), desc="calibrate", unit="batch"):
-            batch = make_batch(examples[i:i + B])
-            out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, seeded(self.cfg.seed, 3, i)))
+        for out in self.held_out(examples, features, "calibrate"):
             logits.append(out.confidence_logits.float())
-            targets.append(acceptance(out.draft_logits.float().softmax(-1), out.target_probs.float()))
+            targets.append(acceptance(out.draft_logits.float().log_softmax(-1), out.target))
             valid.append(out.valid)
         return fit_temperatures(torch.cat(logits), torch.cat(targets), torch.cat(valid))
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Example], features: Features, bigram: torch.Tensor) -> dict:
+        """Teacher-forced on held-out examples, every anchor: each row's top-1 agreement with the target's
+        greedy token, and the greedy acceptance length of a block (bonus token included); the same for a
+        count bigram (`bigram`: [vocab] the most frequent next token after each token in the training
+        answers), which drafts row k from the true token at a + k."""
+        G = self.cfg.block_size
+        hits, bigram_hits, rows = torch.zeros(G), torch.zeros(G), torch.zeros(G)
+        lengths, bigram_lengths = [], []
+        for out in self.held_out(examples, features, "evaluate"):
+            valid = out.valid & (out.target_ids >= 0)
+            match = (out.draft_logits.argmax(-1) == out.target_ids) & valid
+            bigram_match = (self.to_draft[bigram[out.prev_ids]] == out.target_ids) & valid
+            hits += match.sum(0)
+            bigram_hits += bigram_match.sum(0)
+            rows += valid.sum(0)
+            blocks = out.valid[:, 0]
+            lengths.append(1 + match.long().cumprod(-1).sum(-1)[blocks])
+            bigram_lengths.append(1 + bigram_match.long().cumprod(-1).sum(-1)[blocks])
+        rows = rows.clamp_min(1)
+        return {"examples": len(examples), "blocks": int(sum(len(x) for x in lengths)),
+                "row_top1": [round(x, 4) for x in (hits / rows).tolist()],
+                "accept_length": round(float(torch.cat(lengths).double().mean()), 4),
+                "bigram_row_top1": [round(x, 4) for x in (bigram_hits / rows).tolist()],
+                "bigram_accept_length": round(float(torch.cat(bigram_lengths).double().mean()), 4)}
 
     def checkpoint(self, temperatures: tuple[float, ...] = ()) -> BlockDrafterCheckpoint | EagleCheckpoint:
         if isinstance(self.config, EagleConfig):
@@ -361,3 +413,19 @@ def same_map(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def saved_token_map(state_path: Path) -> torch.Tensor | None:
     return torch.load(state_path, weights_only=True)["token_map"]
+
+
+def count_bigram(examples: list[Example], vocab_size: int) -> torch.Tensor:
+    """[vocab] the most frequent next token after each token in the examples' answers (ties to the lower
+    id; a token never seen before another maps to itself)."""
+    pairs = torch.cat([torch.tensor(e.output_ids[:-1]) * vocab_size + torch.tensor(e.output_ids[1:])
+                       for e in examples if len(e.output_ids) > 1])
+    keys, counts = pairs.unique(return_counts=True)
+    order = torch.sort(keys // vocab_size * (counts.max() + 1) - counts, stable=True).indices   # by prev, most first
+    keys = keys[order]
+    prev = keys // vocab_size
+    first = torch.ones_like(prev, dtype=torch.bool)
+    first[1:] = prev[1:] != prev[:-1]
+    table = torch.arange(vocab_size)
+    table[prev[first]] = keys[first] % vocab_size
+    return table

@@ -1,0 +1,189 @@
+"""What drafter training reads from the target, computed once: the residual streams after the drafter's
+target layers and the target's k likeliest next tokens at every position of every example.
+
+`TargetPass` runs the target as the engine serves it (its quantization and attention dtype) over a batch
+of sequences. `FeatureCache` stores its output on local disk (float16 features: ~5.8 KB per token for SmolLM2 with
+five target layers) per sequence, under a key of everything else that changes it, so that training never
+runs the target: in the old trainer the target's forward and its vocabulary
+projection were ~70% of a step."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specserve.attention.sdpa import AttentionMetadata, SeqSpan
+from specserve.engine import attention_dtype
+from specserve.kv_pages import KVGeometry, KVPool
+from specserve.loader import LoadedCheckpoint
+from specserve.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 64                     # of the target's scratch KV pool
+FEATURE_DTYPE = np.float16
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """A batch of sequences as the target sees them, zero-padded to the longest."""
+    aux: torch.Tensor         # [B, L, K * hidden] residual streams after the K target layers, concatenated
+    top_ids: torch.Tensor     # [B, L, k] the target's k likeliest tokens after each position, likeliest first
+    top_probs: torch.Tensor   # [B, L, k] their probabilities
+
+
+class TargetPass:
+    """The target over whole sequences, causal and unpadded, in the numerics the engine serves it with."""
+
+    def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization)
+        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", quantization, dtype))
+        self.layer_ids = layer_ids
+        self.top_k = top_k
+        self.pool: KVPool | None = None
+
+    @torch.no_grad()
+    def __call__(self, sequences: list[list[int]]) -> TargetFeatures:
+        B, L = len(sequences), max(map(len, sequences))
+        per_seq = -(-L // PAGE_SIZE)
+        if self.pool is None or self.pool.num_pages < B * per_seq:
+            self.pool = KVPool(self.kv_geometry, B * per_seq, PAGE_SIZE)
+        spans = [SeqSpan(list(range(b * per_seq, (b + 1) * per_seq)), 0, len(s)) for b, s in enumerate(sequences)]
+        meta = AttentionMetadata.build(spans, PAGE_SIZE, self.pool.null_slot)
+        tokens = torch.tensor([t for s in sequences for t in s])
+        positions = torch.tensor([p for s in sequences for p in range(len(s))])
+        hidden, aux = self.model.forward(tokens, positions, meta, self.pool, self.layer_ids)
+        top_ids, top_probs = [], []
+        for rows in hidden.split(1024):
+            probs = self.model.logits(rows).float().softmax(-1)                   # [n, vocab]
+            top = probs.topk(self.top_k, dim=-1)
+            top_ids.append(top.indices)
+            top_probs.append(top.values)
+        inside = torch.arange(L) < torch.tensor([len(s) for s in sequences])[:, None]     # [B, L]
+        out = TargetFeatures(hidden.new_zeros(B, L, len(aux) * hidden.shape[-1]),
+                             torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
+        out.aux[inside] = torch.cat(aux, dim=-1)
+        out.top_ids[inside] = torch.cat(top_ids)
+        out.top_probs[inside] = torch.cat(top_probs)
+        return out
+
+
+def sequence_hash(tokens: list[int]) -> str:
+    return hashlib.sha1(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:20]
+
+
+class FeatureCache:
+    """TargetPass outputs in three flat files of one row per token (features, top ids, top probabilities)
+    under a folder named by the key (target file, numerics, layers, k), and index.jsonl, one line per
+    stored sequence {"hash", "start", "length"} written once its rows are on disk. A build computes only
+    the sequences the folder lacks, so an interrupted build resumes and a larger training set extends it.
+    `read` addresses the sequences the cache was built or opened for, by their position in that list."""
+
+    FILES = ("features.bin", "top_ids.bin", "top_probs.bin")
+
+    def __init__(self, folder: Path, spans: list[tuple[int, int]], width: int, top_k: int,
+                 dtype: torch.dtype) -> None:
+        self.folder, self.spans, self.width, self.top_k, self.dtype = folder, spans, width, top_k, dtype
+        rows = (folder / "top_ids.bin").stat().st_size // (4 * top_k)
+        self.features = np.memmap(folder / "features.bin", FEATURE_DTYPE, "r", shape=(rows, width))
+        self.top_ids = np.memmap(folder / "top_ids.bin", np.int32, "r", shape=(rows, top_k))
+        self.top_probs = np.memmap(folder / "top_probs.bin", np.float16, "r", shape=(rows, top_k))
+
+    @staticmethod
+    def key(target: LoadedCheckpoint, pass_: TargetPass, quantization: str) -> dict:
+        """Everything a stored row depends on besides its tokens: the target file and its numerics, the
+        layers and k."""
+        source = Path(target.source)
+        return {"target": source.name, "target_bytes": source.stat().st_size if source.is_file() else None,
+                "quantization": quantization, "dtype": str(pass_.model.dtype), "layer_ids": list(pass_.layer_ids),
+                "top_k": pass_.top_k}
+
+    @staticmethod
+    def folder_for(root: Path, key: dict) -> Path:
+        return root / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+    @staticmethod
+    def stored(folder: Path) -> dict[str, tuple[int, int]]:
+        """hash → (first row, length) of each sequence index.jsonl records; a line cut off mid-write is dropped."""
+        index = {}
+        path = folder / "index.jsonl"
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                index[entry["hash"]] = (entry["start"], entry["length"])
+        return index
+
+    @classmethod
+    def build(cls, root: Path, key: dict, sequences: list[list[int]], pass_: TargetPass,
+              tokens_per_pass: int = 4096) -> FeatureCache:
+        """The cache of `sequences` under root, the target run (over batches of about `tokens_per_pass`
+        tokens) for those it does not hold yet."""
+        folder = cls.folder_for(root, key)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "key.json").write_text(json.dumps(key))
+        width = len(pass_.layer_ids) * pass_.model.config.hidden_size
+        row_bytes = {"features.bin": width * np.dtype(FEATURE_DTYPE).itemsize, "top_ids.bin": 4 * pass_.top_k,
+                     "top_probs.bin": 2 * pass_.top_k}
+        index = cls.stored(folder)
+        rows = max((start + length for start, length in index.values()), default=0)
+        with open(folder / "index.jsonl", "w") as f:         # rewritten whole: drops a line cut off mid-write
+            f.writelines(json.dumps({"hash": h, "start": a, "length": n}) + "\n" for h, (a, n) in index.items())
+        for name, size in row_bytes.items():                  # and rows written after the last indexed sequence
+            with open(folder / name, "ab") as f:
+                f.truncate(rows * size)
+        hashes = [sequence_hash(s) for s in sequences]
+        todo = list({h: s for h, s in zip(hashes, sequences) if h not in index}.items())
+        if index and todo:
+            log.info("feature cache %s: %d sequences stored, computing %d more", folder, len(index), len(todo))
+        handles = {name: open(folder / name, "ab") for name in row_bytes}
+        try:
+            with open(folder / "index.jsonl", "a") as index_file, \
+                    tqdm(total=sum(len(s) for _, s in todo), desc="target features", unit="tok") as bar:
+                done = 0
+                while done < len(todo):
+                    batch, count = [], 0
+                    while done + len(batch) < len(todo) and (not batch or count + len(todo[done + len(batch)][1])
+                                                             <= tokens_per_pass):
+                        batch.append(todo[done + len(batch)])
+                        count += len(batch[-1][1])
+                    out = pass_([s for _, s in batch])
+                    for b, (h, s) in enumerate(batch):
+                        n = len(s)
+                        handles["features.bin"].write(out.aux[b, :n].numpy().astype(FEATURE_DTYPE).tobytes())
+                        handles["top_ids.bin"].write(out.top_ids[b, :n].numpy().astype(np.int32).tobytes())
+                        handles["top_probs.bin"].write(out.top_probs[b, :n].numpy().astype(np.float16).tobytes())
+                        index[h] = (rows, n)
+                        rows += n
+                    for f in handles.values():
+                        f.flush()
+                    index_file.writelines(json.dumps({"hash": h, "start": index[h][0], "length": index[h][1]}) + "\n"
+                                          for h, _ in batch)
+                    index_file.flush()
+                    done += len(batch)
+                    bar.update(count)
+        finally:
+            for f in handles.values():
+                f.close()
+        return cls(folder, [index[h] for h in hashes], width, pass_.top_k, pass_.model.dtype)
+
+    def read(self, indices: list[int]) -> TargetFeatures:
+        """The rows of sequences `indices`, zero-padded like TargetPass's output, in the training dtype."""
+        spans = [self.spans[i] for i in indices]
+        B, L = len(indices), max(n for _, n in spans)
+        out = TargetFeatures(torch.zeros(B, L, self.width, dtype=self.dtype),
+                             torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
+        for b, (start, n) in enumerate(spans):
+            out.aux[b, :n] = torch.from_numpy(np.asarray(self.features[start:start + n], dtype=np.float32))
+            out.top_ids[b, :n] = torch.from_numpy(np.asarray(self.top_ids[start:start + n], dtype=np.int64))
+            out.top_probs[b, :n] = torch.from_numpy(np.asarray(self.top_probs[start:start + n], dtype=np.float32))
+        return out

@@ -1,0 +1,84 @@
+"""The feature cache: its rows are the target pass's (in float16), an interrupted build resumes to the same files, and
+its key changes with everything the rows depend on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.train.features import FeatureCache, TargetPass
+from specserve.train.trainer import sequence, usable_examples
+
+LAYERS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def sequences(tiny_answers) -> list[list[int]]:
+    return [sequence(e) for e in usable_examples(tiny_answers, 128)[:9]]
+
+
+def build(tiny_llama, sequences, root, quantization="none", **kw) -> FeatureCache:
+    run = TargetPass(tiny_llama, LAYERS, 8, quantization, torch.float64)
+    return FeatureCache.build(root, FeatureCache.key(tiny_llama, run, quantization), sequences, run, **kw)
+
+
+def test_cached_rows_are_the_target_pass_in_float16(tiny_llama, sequences, tmp_path):
+    cache = build(tiny_llama, sequences, tmp_path, tokens_per_pass=40)
+    want = TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64)([sequences[4], sequences[0]])
+    got = cache.read([4, 0])
+    assert got.aux.dtype == torch.float64 and got.aux.shape == want.aux.shape
+    # at most one float16 step apart: the passes batch the sequences differently
+    torch.testing.assert_close(got.aux, want.aux, rtol=2 ** -10, atol=2 ** -24)
+    assert torch.equal(got.top_ids, want.top_ids)
+    torch.testing.assert_close(got.top_probs, want.top_probs, rtol=2 ** -10, atol=2 ** -24)
+    # the k probabilities are the target's likeliest, in order, and the padding stays zero
+    assert (got.top_probs[..., :-1] >= got.top_probs[..., 1:]).all()
+    assert not got.aux[1, len(sequences[0]):].any()
+
+
+def test_an_interrupted_build_resumes_to_the_same_files(tiny_llama, sequences, tmp_path, monkeypatch):
+    straight = build(tiny_llama, sequences, tmp_path / "straight", tokens_per_pass=40)
+    calls = 0
+    original = TargetPass.__call__
+
+    def failing(self, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setattr(TargetPass, "__call__", failing)
+    with pytest.raises(KeyboardInterrupt):
+        build(tiny_llama, sequences, tmp_path / "resumed", tokens_per_pass=40)
+    monkeypatch.setattr(TargetPass, "__call__", original)
+    resumed = build(tiny_llama, sequences, tmp_path / "resumed", tokens_per_pass=40)
+    assert resumed.folder.name == straight.folder.name
+    for name in ("features.bin", "top_ids.bin", "top_probs.bin"):
+        assert (resumed.folder / name).read_bytes() == (straight.folder / name).read_bytes(), name
+    assert not (resumed.folder / "progress.json").exists()
+
+
+def test_the_key_changes_with_what_the_rows_depend_on_besides_tokens(tiny_llama):
+    def key(quantization="none", layers=LAYERS, top_k=8):
+        return FeatureCache.key(tiny_llama, TargetPass(tiny_llama, layers, top_k, quantization, torch.float64),
+                                quantization)
+
+    base = key()
+    assert key() == base
+    assert all(k != base for k in (key(quantization="int8"), key(layers=(1,)), key(top_k=4)))
+
+
+def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp_path, monkeypatch):
+    first = build(tiny_llama, sequences[:4], tmp_path)
+    computed = []
+    original = TargetPass.__call__
+    monkeypatch.setattr(TargetPass, "__call__", lambda self, batch: computed.extend(batch) or original(self, batch))
+    grown = build(tiny_llama, [sequences[5], *sequences[:4], sequences[5], sequences[6]], tmp_path)
+    assert grown.folder == first.folder and computed == [sequences[5], sequences[6]]
+    assert grown.spans[1:5] == first.spans and grown.spans[0] == grown.spans[5]
+    assert torch.equal(grown.read([1, 2]).aux, first.read([0, 1]).aux)
+
+
+def test_an_int8_target_attends_in_float64_as_the_engine_serves_it(tiny_llama):
+    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float64
+    assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float32).kv_geometry.dtype == torch.float32
