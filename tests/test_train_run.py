@@ -101,5 +101,10 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     eagle[eagle.index("DFLASH")] = "eagle"
     assert cmd_train_drafter(parser.parse_args([*eagle, "--max-steps", "2", "--work-dir", str(work)])) == 0
     assert EagleCheckpoint.load(tmp_path / "eagle").config.target_layer_ids == (0, 1)
+    few = tmp_path / "few.work"
+    assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "1", "--max-examples", "3",
+                                                "--work-dir", str(few)])) == 0
+    (index,) = (few / "features").glob("*/index.jsonl")
+    assert len(index.read_text().splitlines()) == 3            # only the first three examples were featurised
     assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
     assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90

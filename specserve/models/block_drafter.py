@@ -236,7 +236,8 @@ class BlockDrafter:
     def block_row_weights(self) -> int:
         """Weights one block row multiplies through: its layers, the draft head and the DSPARK heads."""
         heads = self.w2.num_weights + self.confidence_head.num_weights if self.markov else 0
-        return self.model.row_weights() + heads
+        anchor = self.anchor_proj.num_weights if self.anchor_proj is not None else 0
+        return self.model.row_weights() + heads + anchor
 
     def write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       pool: KVPool) -> torch.Tensor:

@@ -500,19 +500,24 @@ def create_app(engine: Engine, served_model_name: str | None = None, api_key: st
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: stop accepting, give in-flight requests `grace_s` to finish, abort the rest, exit."""
+    """On SIGTERM/SIGINT: keep listening, but /health and new requests answer 503 (with Retry-After); give
+    in-flight requests `grace_s` to finish, abort the rest, then close the socket and exit 0. A second
+    signal stops at once."""
 
     def __init__(self, config: uvicorn.Config, core: AsyncEngine, grace_s: float) -> None:
         super().__init__(config)
         self.core, self.grace_s = core, grace_s
+        self.draining = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        # uvicorn's own handler re-raises the signal once shut down, so the process would die of SIGTERM
-        # instead of exiting 0
-        self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
-        if not self.should_exit:
+        # uvicorn's own handler would close the socket at once (connection refused during the drain) and
+        # re-raise the signal once shut down, so the process would die of SIGTERM instead of exiting 0
+        if self.draining:
+            self.force_exit = self.force_exit or sig == signal.SIGINT
             self.should_exit = True
-            self.core.drain(self.grace_s)
+            return
+        self.draining = True
+        self.core.drain(self.grace_s, lambda: setattr(self, "should_exit", True))
 
 
 def serve(engine_args: dict, host: str = "127.0.0.1", port: int = 30000, max_queued_requests: int = 256,

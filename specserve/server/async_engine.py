@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from specserve.engine import Engine
@@ -103,13 +103,22 @@ class AsyncEngine:
             self.inbox.put(("add", rid, prompt, params))
         return sub
 
-    def drain(self, grace_s: float) -> None:
-        """Stop admitting; requests still running after `grace_s` seconds are aborted. Signal-handler safe."""
+    def drain(self, grace_s: float, on_idle: Callable[[], None]) -> None:
+        """Stop admitting (health and new requests answer 503); requests still running after `grace_s`
+        seconds are aborted; `on_idle` runs once none is left. Signal-handler safe."""
         def later() -> None:
             self.accepting = False
             self._loop.call_later(grace_s, self._abort_all)
-        if self._loop is not None:      # a signal during startup: nothing admitted yet
+            self._loop.create_task(self._when_idle(on_idle))
+        if self._loop is None:          # a signal during startup: nothing admitted yet
+            on_idle()
+        else:
             self._loop.call_soon_threadsafe(later)
+
+    async def _when_idle(self, on_idle: Callable[[], None]) -> None:
+        while self.routes:
+            await asyncio.sleep(0.05)
+        on_idle()
 
     async def stop(self) -> None:
         self.accepting = False

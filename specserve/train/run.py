@@ -41,13 +41,15 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   resume: bool = False, eval_workloads: dict[str, list[list[int]]] | None = None,
                   eval_prompts: int = 8, eval_max_new_tokens: int = 128, source: str = "",
                   quantization: str | None = None,
-                  features_dir: Path | None = None) -> BlockDrafterCheckpoint | EagleCheckpoint:
+                  features_dir: Path | None = None,
+                  max_examples: int | None = None) -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
     quantized weights; cached under `features_dir`, default work_dir/features), calibrate on the held-out
     ones, export to `out` with its model card: held-out row accuracy against a count bigram, and an
-    acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids)."""
+    acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids).
+    `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    usable = usable_examples(examples, cfg.max_len)
+    usable = usable_examples(examples, cfg.max_len)[:max_examples]
     holdout_count = min(cfg.holdout, len(usable) // 10)
     holdout, train_set = usable[:holdout_count], usable[holdout_count:]
     if not train_set:
@@ -121,6 +123,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--data", default=None, help="JSONL of prompts or conversations, or of regenerated token ids "
                                    "(default: ShareGPT's first 10,000 usable conversations)")
     a("--num-conversations", type=int, default=10_000, help="prompts to regenerate answers for")
+    a("--max-examples", type=int, default=None,
+      help="train on the first N usable examples (a fixed order by id hash; held-out ones included)")
     a("--regen-max-new-tokens", type=int, default=512)
     a("--regen-temperature", type=float, default=0.0, help="0 = greedy answers")
     a("--regen-batch", type=int, default=32, help="requests the engine decodes together")
@@ -213,6 +217,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                  if args.eval_prompts else {})
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
                   quantization=args.quantization, features_dir=Path(args.features_dir) if args.features_dir else None,
+                  max_examples=args.max_examples,
                   eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source)
     print(out)
     return 0
