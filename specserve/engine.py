@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
+from specserve import sampling
 from specserve.config import EngineConfig, engine_config
 from specserve.detokenizer import find_stop
 from specserve.drafters import with_shipped_drafter_path
@@ -166,9 +167,11 @@ class Engine:
                out: ForwardOutput) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
-        for sched, drafts, res in zip(plan.scheduled, proposal.draft_tokens, result.per_request):
+        for i, (sched, drafts, res) in enumerate(zip(plan.scheduled, proposal.draft_tokens, result.per_request)):
             req = sched.request
             req.num_computed_tokens = sched.start + sched.num_feed
+            if out.prompt_logits and out.prompt_logits[i] is not None:
+                self._append_prompt_logprobs(req, *out.prompt_logits[i])
             if res is None:
                 continue
             req.num_computed_tokens += res.num_accepted
@@ -211,6 +214,17 @@ class Engine:
                 return i + 1
         return len(res.emitted)
 
+    @staticmethod
+    def _append_prompt_logprobs(req: Request, first: int, logits: torch.Tensor) -> None:
+        """Raw logprobs of prompt tokens first + 1 .. first + len(logits) (the first token has none)."""
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)
+            req.prompt_top_logprobs.append(None)
+        tokens = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + len(logits)])
+        chosen, tops = sampling.logprobs(logits, tokens, req.params.top_logprobs)
+        req.prompt_logprobs.extend(chosen)
+        req.prompt_top_logprobs.extend(tops)
+
     def _cache_prefix(self, req: Request) -> None:
         """Insert the request's whole pages whose target KV and draft context are both written."""
         if self.prefix_cache is None or not req.pages:
@@ -231,11 +245,14 @@ class Engine:
         if req.stop_text_len is not None:
             text = text[:req.stop_text_len]
         p = req.params
+        prompt_done = p.prompt_logprobs and len(req.prompt_logprobs) == len(req.prompt_token_ids)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids, text=text,
             token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
             logprobs=list(req.logprobs) if p.logprobs or p.top_logprobs else None,
             top_logprobs=list(req.top_logprobs) if p.top_logprobs else None,
+            prompt_logprobs=list(req.prompt_logprobs) if prompt_done else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if prompt_done else None,
             spec=req.stats.copy(), num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
             time_to_first_token=(req.first_token_time - req.arrival_time) if req.first_token_time else None)
 

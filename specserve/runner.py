@@ -17,6 +17,9 @@ class ForwardOutput:
     hidden: torch.Tensor           # [num_tokens, hidden] final-normed, every fed token
     aux_hidden: list[torch.Tensor] # per aux layer: [num_tokens, hidden]
     token_offsets: list[int]       # start of each scheduled request's tokens in the flat batch
+    # per scheduled request with prompt_logprobs: (first position p, logits [n, vocab] of positions p..p+n-1,
+    # each predicting the prompt token after it) for the prompt tokens still without a logprob
+    prompt_logits: tuple[tuple[int, torch.Tensor] | None, ...] = ()
 
 
 class ModelRunner:
@@ -45,4 +48,19 @@ class ModelRunner:
             logits = self.model.logits(hidden[logit_rows])
         else:
             logits = hidden.new_zeros(0, self.model.config.vocab_size)
-        return ForwardOutput(logits, hidden, aux, offsets)
+        return ForwardOutput(logits, hidden, aux, offsets, self._prompt_logits(plan, hidden, offsets))
+
+    def _prompt_logits(self, plan: StepPlan, hidden: torch.Tensor,
+                       offsets: list[int]) -> tuple[tuple[int, torch.Tensor] | None, ...]:
+        out = []
+        for sched, offset in zip(plan.scheduled, offsets):
+            req = sched.request
+            # position p predicts prompt token p + 1; after a preemption the logprobs already taken stay
+            first = max(sched.start, len(req.prompt_logprobs) - 1)
+            end = min(sched.start + sched.num_feed, len(req.prompt_token_ids) - 1)
+            if not req.params.prompt_logprobs or first >= end:
+                out.append(None)
+                continue
+            rows = hidden[offset + first - sched.start:offset + end - sched.start]
+            out.append((first, self.model.logits(rows)))
+        return tuple(out)

@@ -98,8 +98,9 @@ class Scheduler:
         return sched
 
     def _reuse_prefix(self, req: Request) -> None:
-        """Start the request after its cached prefix, keeping at least one token to feed (its logits)."""
-        if self.prefix_cache is None:
+        """Start the request after its cached prefix, keeping at least one token to feed (its logits). A
+        request that wants its prompt's logprobs computes the whole prompt."""
+        if self.prefix_cache is None or req.params.prompt_logprobs:
             return
         tokens = req.all_token_ids
         req.pages = self.prefix_cache.acquire(req.request_id, tokens, len(tokens) - 1)

@@ -28,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False     # the prompt tokens' logprobs too (with top_logprobs alternatives each)
     logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit) as in OpenAI's API
 
     def __post_init__(self) -> None:
@@ -140,6 +141,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)     # None for the first prompt token
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     pages: list[int] = field(default_factory=list)
@@ -222,6 +225,8 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None      # with prompt_logprobs, once the prompt is computed
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     spec: SpecStats = field(default_factory=SpecStats)    # this request's speculation so far
     num_preemptions: int = 0
     num_cached_tokens: int = 0            # prompt tokens served by the prefix cache

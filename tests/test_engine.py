@@ -2,8 +2,10 @@
 import random
 
 import pytest
+import torch
 
 from specserve.engine import LLM, Engine
+from specserve.train.features import TargetPass
 from specserve.types import SamplingParams
 from tests.spec_harness import assert_pages_released
 
@@ -82,6 +84,27 @@ def test_logprobs_are_the_models_log_softmax(tiny_llama):
     for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
         assert max(top.values()) == pytest.approx(lp)       # greedy: the chosen token is the top one
         assert top[tok] == pytest.approx(lp) and len(top) == 3 and lp <= 0
+
+
+def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt(tiny_llama):
+    """Computed across prefill chunks, never from the prefix cache (the second identical request recomputes),
+    the first token without one; the reference is the training side's own pass over the prompt."""
+    prompt = prompts(1, seed=11)[0] + prompts(1, seed=12)[0] + [7] * 9
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True, prompt_logprobs=True, top_logprobs=2)
+    llm = make_llm(tiny_llama, max_num_batched_tokens=8)
+    first, again = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    reference = TargetPass(tiny_llama, (0,), 257, "none", torch.float64)([prompt])
+    probs = torch.zeros(len(prompt), 257, dtype=torch.float64)
+    probs.scatter_(1, reference.top_ids[0], reference.top_probs[0].double())
+    want = [probs[j - 1, prompt[j]].log().item() for j in range(1, len(prompt))]
+    for out in (first, again):
+        assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+        assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-6)
+        assert all(len(top) == 2 and max(top.values()) >= lp for top, lp in zip(out.prompt_top_logprobs[1:],
+                                                                                out.prompt_logprobs[1:]))
+    assert again.num_cached_tokens == 0 and first.token_ids == again.token_ids
+    plain = make_llm(tiny_llama).generate([prompt], GREEDY)[0]
+    assert plain.prompt_logprobs is None and plain.token_ids[:3] == first.token_ids
 
 
 def test_top_logprobs_without_logprobs_flag(tiny_llama):

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "runner": {"types", "kv_pages", "attention", "models"},
     "speculative": {"config", "types", "kv_pages", "attention", "loader", "models", "runner", "sampling"},
     "engine": {"config", "detokenizer", "drafters", "types", "kv_pages", "loader", "models", "quantization", "radix_cache", "runner",
-               "scheduler", "speculative"},
+               "sampling", "scheduler", "speculative"},
     "datasets": {"loader"},
     "server": {"specserve", "config", "types", "loader", "engine"},
     "bench": {"config", "types", "loader", "datasets", "engine"},

@@ -218,9 +218,6 @@ class OpenAIServer:
         req = await self.parse(request, CompletionRequest)
         self.check_model(req.model)
         prompts = [self.encode_prompt(p) for p in req.prompt]
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo: echo with logprobs needs the prompt tokens' logprobs, which this server does "
-                                "not compute yet; drop one of them", param="echo")
         echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in req.prompt] if req.echo else []
         fmt = CompletionFormat(self, req, f"cmpl-{uuid.uuid4().hex}", echoes=echoes)
         return await self.generate(request, prompts, fmt)
@@ -387,23 +384,33 @@ class CompletionFormat:
         return []
 
     def choice(self, index: int, text: str, out: RequestOutput, progress: Progress, start: int) -> CompletionChoice:
-        """`text` and the tokens from `start` on: all of them, or what is new in a stream."""
+        """`text` and the tokens from `start` on: all of them, or what is new in a stream; with echo, the
+        first choice of a request starts with the prompt (and its tokens' logprobs)."""
+        echo = bool(self.echoes) and not progress.echoed
         logprobs = None
         if self.req.logprobs is not None:
             logprobs = CompletionLogprobs(top_logprobs=[] if self.req.logprobs else None)
+            if echo:
+                for token_id, lp, top in zip(out.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs):
+                    self.add_logprob(logprobs, progress, token_id, lp, top)
             for i in range(start, len(out.token_ids)):
-                token = self.server.token_text(out.token_ids[i])
-                logprobs.tokens.append(token)
-                logprobs.token_logprobs.append(out.logprobs[i])
-                logprobs.text_offset.append(progress.text_offset)
-                progress.text_offset += len(token)
-                if self.req.logprobs:
-                    top = out.top_logprobs[i].items()
-                    logprobs.top_logprobs.append({self.server.token_text(t): lp for t, lp in top})
-        if self.echoes and not progress.echoed and (text or out.finished):
+                self.add_logprob(logprobs, progress, out.token_ids[i], out.logprobs[i],
+                                 out.top_logprobs[i] if self.req.logprobs else None)
+        if echo:
             text, progress.echoed = self.echoes[index // self.req.n] + text, True
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=out.finish_reason if out.finished else None)
+
+    def add_logprob(self, logprobs: CompletionLogprobs, progress: Progress, token_id: int, logprob: float | None,
+                    top: dict[int, float] | None) -> None:
+        token = self.server.token_text(token_id)
+        logprobs.tokens.append(token)
+        logprobs.token_logprobs.append(logprob)
+        logprobs.text_offset.append(progress.text_offset)
+        progress.text_offset += len(token)
+        if self.req.logprobs:
+            logprobs.top_logprobs.append(None if top is None else {self.server.token_text(t): lp
+                                                                   for t, lp in top.items()})
 
     def response(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.server.model_name, choices=choices,

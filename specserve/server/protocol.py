@@ -112,6 +112,10 @@ class _GenerationRequest(_Strict):
         return False, 0
 
     @property
+    def prompt_logprobs(self) -> bool:
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -122,7 +126,8 @@ class _GenerationRequest(_Strict):
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=None if self.seed is None else self.seed + index, stop=self.stop, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=self.logit_bias)
+            logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -144,6 +149,11 @@ class CompletionRequest(_GenerationRequest):
     @property
     def logprob_params(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """echo with logprobs returns the prompt tokens' logprobs too, as OpenAI's legacy API and vLLM do."""
+        return self.echo and self.logprobs is not None
 
 
 class ChatMessage(_Strict):
@@ -216,8 +226,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = []              # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = []
 
 

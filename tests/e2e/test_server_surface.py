@@ -1,6 +1,6 @@
 """What a client sees of the API surface beyond generation, through the app in-process: model ids and
 routes, auth headers, /tokenize /detokenize /version, gauges from startup, and every parameter either
-honoured (logit_bias, echo, best_of = n, user, response_format text) or refused by name."""
+honoured (logit_bias, echo with prompt logprobs, best_of = n, user, response_format text) or refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -97,8 +97,24 @@ def test_echo_puts_the_prompt_before_the_completion(client):
     streamed = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0,
                                                     "echo": True, "stream": True}).text
     assert '"text":"hello' in streamed.replace(" ", "")
-    resp = client.post("/v1/completions", json={"prompt": "hello", "echo": True, "logprobs": 1})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(client, engine):
+    prompt = engine.tokenizer.encode("hello there")
+    body = {"prompt": "hello there", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]["logprobs"]
+    n = len(prompt)
+    assert echoed["tokens"][:n] == [engine.tokenizer.decode([t]) for t in prompt]
+    assert echoed["token_logprobs"][0] is None and echoed["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in echoed["token_logprobs"][1:n]) and len(echoed["top_logprobs"][1]) == 2
+    # the completion's own entries follow unchanged, their offsets after the prompt's tokens
+    assert echoed["tokens"][n:] == plain["tokens"] and echoed["token_logprobs"][n:] == plain["token_logprobs"]
+    assert echoed["text_offset"][n] == sum(len(t) for t in echoed["tokens"][:n])
+    # the alternatives at prompt token 2 are those the model gives after the first two tokens
+    step = client.post("/v1/completions", json={"prompt": prompt[:2], "max_tokens": 1, "temperature": 0,
+                                                "logprobs": 2}).json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert echoed["top_logprobs"][2] == pytest.approx(step, abs=1e-4)
 
 
 @pytest.mark.parametrize("path, body, param, words", [
