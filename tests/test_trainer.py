@@ -276,3 +276,16 @@ def test_markov_head_starts_from_the_count_bigram(tiny_llama, tiny_answers):
         markov = w2 @ w1[trainer.to_draft[prev]]                             # [V_d]
         counts = torch.bincount(torch.tensor(nexts), minlength=160)
         assert counts[markov.argmax()] == counts.max(), prev
+
+
+def test_init_from_an_export_continues_from_its_weights(tiny_llama, tiny_answers, tmp_path):
+    data = usable_examples(tiny_answers, 128)
+    token_map = build_token_map(data, 160, 257)
+    trained = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, max_steps=3), token_map)
+    trained.train(data, live_features(tiny_llama, trained, data), tmp_path / "state.pt")
+    ckpt = trained.checkpoint((1.5,) * SMALL["block_size"])
+    fresh = DrafterTrainer(tiny_llama, TrainConfig(**SMALL), token_map)
+    fresh.init_from(ckpt)
+    assert all(torch.equal(p, trained.params[name]) for name, p in fresh.params.items())
+    with pytest.raises(ValueError, match="other drafter settings"):
+        DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 4}), token_map).init_from(ckpt)

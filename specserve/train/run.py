@@ -42,12 +42,14 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   eval_prompts: int = 8, eval_max_new_tokens: int = 128, source: str = "",
                   quantization: str | None = None,
                   features_dir: Path | None = None,
-                  max_examples: int | None = None) -> BlockDrafterCheckpoint | EagleCheckpoint:
+                  max_examples: int | None = None,
+                  init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None) -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
     quantized weights; cached under `features_dir`, default work_dir/features), calibrate on the held-out
     ones, export to `out` with its model card: held-out row accuracy against a count bigram, and an
     acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids).
-    `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included."""
+    `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included;
+    `init_from` starts a new run (not a resumed one) from an exported drafter's weights."""
     work_dir.mkdir(parents=True, exist_ok=True)
     usable = usable_examples(examples, cfg.max_len)[:max_examples]
     holdout_count = min(cfg.holdout, len(usable) // 10)
@@ -60,6 +62,7 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
     if resume and not resuming:
         log.warning("--resume: no training state in %s, starting from scratch", work_dir)
     token_map = (saved_token_map(state_path) if resuming
+                 else init_from.weights.get("token_map") if init_from is not None
                  else None if cfg.algorithm == "EAGLE"
                  else build_token_map(train_set, cfg.draft_vocab, target.config.vocab_size))
     trainer = DrafterTrainer(target, cfg, token_map)
@@ -75,7 +78,9 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
     else:
         if state_path.exists():
             state_path.unlink()
-        if cfg.algorithm == "DSPARK" and cfg.markov_init == "bigram":
+        if init_from is not None:
+            trainer.init_from(init_from)
+        elif cfg.algorithm == "DSPARK" and cfg.markov_init == "bigram":
             trainer.init_markov_from_bigram(train_set)
     trainer.train(train_set, lambda indices: cache.read([holdout_count + i for i in indices]), state_path,
                   log_path=work_dir / "train_log.jsonl")
@@ -163,6 +168,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--save-every", type=int, default=d.save_every, help="steps between training checkpoints")
     a("--seed", type=int, default=d.seed)
     a("--resume", action="store_true", help="continue from the training state in the work dir")
+    a("--init-from", default=None,
+      help="start from an exported drafter folder's weights (same flags and data; a fresh optimizer)")
     a("--eval-workloads", default="sharegpt,humaneval,mtbench,math500",
       help="comma-separated `specserve bench` workloads (first turns) for the model card's acceptance table, "
            "besides held-out prompts ('' for none)")
@@ -219,6 +226,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
                   quantization=args.quantization, features_dir=Path(args.features_dir) if args.features_dir else None,
                   max_examples=args.max_examples,
+                  init_from=(EagleCheckpoint if cfg.algorithm == "EAGLE" else BlockDrafterCheckpoint).load(
+                      args.init_from) if args.init_from else None,
                   eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source)
     print(out)
     return 0

@@ -196,6 +196,16 @@ class DrafterTrainer:
         self.elapsed = 0.0
 
     @torch.no_grad()
+    def init_from(self, ckpt: BlockDrafterCheckpoint | EagleCheckpoint) -> None:
+        """Start from an exported drafter's weights (a fresh optimizer; the run takes its token map): a new
+        run continues where a shipped drafter stopped, with the same settings."""
+        if ckpt.config.to_json() | {"confidence_temperatures": None} != \
+                self.config.to_json() | {"confidence_temperatures": None}:
+            raise ValueError(f"{ckpt.source} was exported with other drafter settings; train with the same flags")
+        for name, p in self.params.items():
+            p.copy_(ckpt.weights[name])
+
+    @torch.no_grad()
     def init_markov_from_bigram(self, examples: list[Example]) -> None:
         """DSPARK's Markov head as the best rank-r fit of the count bigram on the draft vocabulary: w2 ·
         w1[prev] ≈ log P(next | prev) - its mean over next (add-one smoothing; tokens outside the map are
