@@ -25,6 +25,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
+from specserve.engine import served_quantization  # noqa: E402
 from specserve.loader import load_checkpoint  # noqa: E402
 from specserve.train.data import build_token_map, load_examples  # noqa: E402
 from specserve.train.features import FeatureCache, TargetPass  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     examples = usable_examples(load_examples(DATA), 1024)[:args.examples]
     token_map = build_token_map(examples, 8192, target.config.vocab_size)
     base = TrainConfig(block_size=8, markov_rank=64, batch_size=4)
-    quantization = "int8" if target.quantized else "none"
+    quantization = served_quantization(None, target)
     layer_ids = DrafterTrainer(target, base, token_map).config.target_layer_ids
     target_pass = TargetPass(target, layer_ids, base.target_top_k, quantization)
     sequences = [sequence(e) for e in examples]

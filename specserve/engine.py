@@ -37,6 +37,14 @@ from specserve.types import Proposal, Request, RequestOutput, SamplingParams, Sp
 log = logging.getLogger(__name__)
 
 
+def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
+    """--quantization: int8 by default for weights stored quantized (a GGUF's Q4_*, Q8_0, K-quants), else none."""
+    quantization = requested or ("int8" if ckpt.quantized else "none")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
+
+
 def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype: auto is float64 under int8 weights. int8 rounding turns the last bits of a float32
     attention (which differ between a decode step and a verify window) into whole quantization steps, and
@@ -60,9 +68,7 @@ class Engine:
         ckpt = checkpoint or load_checkpoint(config.model_path, dtype)
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        quantization = config.quantization or ("int8" if ckpt.quantized else "none")
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        quantization = served_quantization(config.quantization, ckpt)
         log.info("quantization: %s%s", quantization, "" if config.quantization else
                  f" (the default for {'quantized' if ckpt.quantized else 'unquantized'} weights)")
         self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype,

@@ -55,10 +55,13 @@ class ModelRunner:
         out = []
         for sched, offset in zip(plan.scheduled, offsets):
             req = sched.request
+            if not req.params.prompt_logprobs:
+                out.append(None)
+                continue
             # position p predicts prompt token p + 1; after a preemption the logprobs already taken stay
             first = max(sched.start, len(req.prompt_logprobs) - 1)
             end = min(sched.start + sched.num_feed, len(req.prompt_token_ids) - 1)
-            if not req.params.prompt_logprobs or first >= end:
+            if first >= end:
                 out.append(None)
                 continue
             rows = hidden[offset + first - sched.start:offset + end - sched.start]

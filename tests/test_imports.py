@@ -26,12 +26,12 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": {"config", "types", "kv_pages", "radix_cache"},
     "runner": {"types", "kv_pages", "attention", "models"},
     "speculative": {"config", "types", "kv_pages", "attention", "loader", "models", "runner", "sampling"},
-    "engine": {"config", "detokenizer", "drafters", "types", "kv_pages", "loader", "models", "quantization", "radix_cache", "runner",
-               "sampling", "scheduler", "speculative"},
+    "engine": {"config", "detokenizer", "drafters", "types", "kv_pages", "loader", "models", "quantization",
+               "radix_cache", "runner", "sampling", "scheduler", "speculative"},
     "datasets": {"loader"},
     "server": {"specserve", "config", "types", "loader", "engine"},
     "bench": {"config", "types", "loader", "datasets", "engine"},
-    "train": {"config", "types", "kv_pages", "attention", "loader", "models", "datasets", "engine"},
+    "train": {"config", "types", "kv_pages", "attention", "loader", "models", "datasets", "engine", "quantization"},
     "demo": {"types", "engine", "drafters"},
     "specserve": {"types", "engine"},       # the package's own __init__: the public API
 }

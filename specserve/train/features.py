@@ -27,7 +27,6 @@ from specserve.models.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = 64                     # of the target's scratch KV pool
-FEATURE_DTYPE = np.float16
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,11 @@ class TargetPass:
         return out
 
 
+def cache_files(width: int, top_k: int) -> dict[str, tuple[type, int]]:
+    """The cache's files, one row per token in each: name → (dtype, values per row), in TargetFeatures' order."""
+    return {"features.bin": (np.float16, width), "top_ids.bin": (np.int32, top_k), "top_probs.bin": (np.float16, top_k)}
+
+
 def sequence_hash(tokens: list[int]) -> str:
     return hashlib.sha1(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:20]
 
@@ -86,15 +90,14 @@ class FeatureCache:
     the sequences the folder lacks, so an interrupted build resumes and a larger training set extends it.
     `read` addresses the sequences the cache was built or opened for, by their position in that list."""
 
-    FILES = ("features.bin", "top_ids.bin", "top_probs.bin")
-
     def __init__(self, folder: Path, spans: list[tuple[int, int]], width: int, top_k: int,
                  dtype: torch.dtype) -> None:
         self.folder, self.spans, self.width, self.top_k, self.dtype = folder, spans, width, top_k, dtype
-        rows = (folder / "top_ids.bin").stat().st_size // (4 * top_k)
-        self.features = np.memmap(folder / "features.bin", FEATURE_DTYPE, "r", shape=(rows, width))
-        self.top_ids = np.memmap(folder / "top_ids.bin", np.int32, "r", shape=(rows, top_k))
-        self.top_probs = np.memmap(folder / "top_probs.bin", np.float16, "r", shape=(rows, top_k))
+        files = cache_files(width, top_k)
+        dtype, n = files["top_ids.bin"]
+        rows = (folder / "top_ids.bin").stat().st_size // (np.dtype(dtype).itemsize * n)
+        self.features, self.top_ids, self.top_probs = (np.memmap(folder / name, dtype, "r", shape=(rows, n))
+                                                       for name, (dtype, n) in files.items())
 
     @staticmethod
     def key(target: LoadedCheckpoint, pass_: TargetPass, quantization: str) -> dict:
@@ -132,8 +135,8 @@ class FeatureCache:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "key.json").write_text(json.dumps(key))
         width = len(pass_.layer_ids) * pass_.model.config.hidden_size
-        row_bytes = {"features.bin": width * np.dtype(FEATURE_DTYPE).itemsize, "top_ids.bin": 4 * pass_.top_k,
-                     "top_probs.bin": 2 * pass_.top_k}
+        files = cache_files(width, pass_.top_k)
+        row_bytes = {name: np.dtype(dtype).itemsize * n for name, (dtype, n) in files.items()}
         index = cls.stored(folder)
         rows = max((start + length for start, length in index.values()), default=0)
         with open(folder / "index.jsonl", "w") as f:         # rewritten whole: drops a line cut off mid-write
@@ -159,9 +162,8 @@ class FeatureCache:
                     out = pass_([s for _, s in batch])
                     for b, (h, s) in enumerate(batch):
                         n = len(s)
-                        handles["features.bin"].write(out.aux[b, :n].numpy().astype(FEATURE_DTYPE).tobytes())
-                        handles["top_ids.bin"].write(out.top_ids[b, :n].numpy().astype(np.int32).tobytes())
-                        handles["top_probs.bin"].write(out.top_probs[b, :n].numpy().astype(np.float16).tobytes())
+                        for (name, (dtype, _)), rows_of in zip(files.items(), (out.aux, out.top_ids, out.top_probs)):
+                            handles[name].write(rows_of[b, :n].numpy().astype(dtype).tobytes())
                         index[h] = (rows, n)
                         rows += n
                     for f in handles.values():

@@ -211,9 +211,7 @@ class DrafterTrainer:
         w1[prev] ≈ log P(next | prev) - its mean over next (add-one smoothing; tokens outside the map are
         left out), so that training starts from what a bigram table knows."""
         V = len(self.draft_ids)
-        prev_next = torch.cat([torch.stack([torch.tensor(e.output_ids[:-1]), torch.tensor(e.output_ids[1:])])
-                               for e in examples if len(e.output_ids) > 1], dim=1)              # [2, pairs]
-        prev, nxt = self.to_draft[prev_next[0]], self.to_draft[prev_next[1]]
+        prev, nxt = (self.to_draft[ids] for ids in answer_bigrams(examples))
         keep = (prev >= 0) & (nxt >= 0)
         counts = torch.ones(V, V).index_put_((prev[keep], nxt[keep]), torch.ones(int(keep.sum())), accumulate=True)
         log_p = counts.log() - counts.sum(1, keepdim=True).log()
@@ -268,10 +266,11 @@ class DrafterTrainer:
                 rows = dense_chain_forward(self.config, self.params, self.embed, self.rope, aux, batch.tokens,
                                            anchors, G)[anchor_valid]
             else:
+                per_sequence = zip(batch.lengths.tolist(), anchor_valid.sum(1).tolist())
                 rows = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
-                                                      aux[b:b + 1, :length], anchors[b:b + 1, :n], prev[b:b + 1, :n, 0])[0]
-                                  for b, (length, n) in enumerate(zip(batch.lengths.tolist(),
-                                                                      anchor_valid.sum(1).tolist())) if n])
+                                                      aux[b:b + 1, :length], anchors[b:b + 1, :n],
+                                                      prev[b:b + 1, :n, 0])[0]
+                                  for b, (length, n) in enumerate(per_sequence) if n])
             logits, confidence = self.heads(rows, prev[anchor_valid])
         return BlockOutputs(logits, target, target.ids[..., 0], prev[anchor_valid], valid[anchor_valid], confidence)
 
@@ -425,11 +424,17 @@ def saved_token_map(state_path: Path) -> torch.Tensor | None:
     return torch.load(state_path, weights_only=True)["token_map"]
 
 
+def answer_bigrams(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair of consecutive answer tokens: (previous ids, next ids), [pairs] each."""
+    answers = [torch.tensor(e.output_ids) for e in examples if len(e.output_ids) > 1]
+    return torch.cat([a[:-1] for a in answers]), torch.cat([a[1:] for a in answers])
+
+
 def count_bigram(examples: list[Example], vocab_size: int) -> torch.Tensor:
     """[vocab] the most frequent next token after each token in the examples' answers (ties to the lower
     id; a token never seen before another maps to itself)."""
-    pairs = torch.cat([torch.tensor(e.output_ids[:-1]) * vocab_size + torch.tensor(e.output_ids[1:])
-                       for e in examples if len(e.output_ids) > 1])
+    prev, nxt = answer_bigrams(examples)
+    pairs = prev * vocab_size + nxt
     keys, counts = pairs.unique(return_counts=True)
     order = torch.sort(keys // vocab_size * (counts.max() + 1) - counts, stable=True).indices   # by prev, most first
     keys = keys[order]
