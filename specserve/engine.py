@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from specserve import sampling
+from specserve import grammar, sampling
 from specserve.config import EngineConfig, engine_config
 from specserve.detokenizer import find_stop
 from specserve.drafters import with_shipped_drafter_path
+from specserve.grammar import GrammarCompiler
 from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, is_embedded, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
@@ -104,6 +105,7 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self._grammar_compiler: GrammarCompiler | None = None
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
@@ -137,9 +139,19 @@ class Engine:
             # a seed of its own makes the request's tokens the same whatever is verified beside it
             params = dataclasses.replace(params, seed=int(torch.randint(1 << 62, (1,), generator=self.generator)))
         req = Request(request_id, token_ids, params, prompt=text, arrival_time=time.perf_counter())
+        if params.grammar is not None:
+            req.grammar_matcher = self.grammar_compiler().matcher(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this checkpoint has none")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:
@@ -165,8 +177,10 @@ class Engine:
         for req in plan.preempted:
             self.proposer.release(req)
         proposal = self.proposer.propose(plan)
+        proposal, allowed = grammar.constrain(plan, proposal, self.model_config.vocab_size, self.generator)
         out = self.runner.forward(plan, proposal)
-        result = verify(out.logits, plan, proposal, self.generator)
+        logits = out.logits if allowed is None else grammar.masked(out.logits, allowed)
+        result = verify(logits, plan, proposal, self.generator)
         return self.commit(plan, proposal, result, out)
 
     def commit(self, plan: StepPlan, proposal: Proposal, result: VerifyResult,
@@ -184,6 +198,8 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
             kept = self._append(req, res)
+            if req.grammar_matcher is not None:
+                self._advance_grammar(req, req.output_token_ids[len(req.output_token_ids) - kept:])
             req.stats.record(len(drafts), min(res.num_accepted, kept), kept)
             self.stats.record(len(drafts), min(res.num_accepted, kept), kept)
             outputs.append(self.output(req))
@@ -219,6 +235,14 @@ class Engine:
                 self._finish(req, reason)
                 return i + 1
         return len(res.emitted)
+
+    @staticmethod
+    def _advance_grammar(req: Request, tokens: list[int]) -> None:
+        for token in tokens:
+            if req.grammar_matcher.is_terminated():
+                break
+            if not req.grammar_matcher.accept_token(token):
+                raise RuntimeError(f"request {req.request_id} emitted token {token} that its grammar forbids")
 
     @staticmethod
     def _append_prompt_logprobs(req: Request, first: int, logits: torch.Tensor) -> None:

@@ -4,12 +4,35 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specserve.detokenizer import IncrementalText
 
 MAX_TOP_LOGPROBS = 20
+
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Structured output: the output must match this grammar (any JSON value for json_object, else `value`:
+    a JSON schema as text, a regex or an EBNF grammar)."""
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"invalid grammar kind {self.kind!r}: use one of {', '.join(GRAMMAR_KINDS)}")
+        if self.kind != "json_object" and not self.value:
+            raise ValueError(f"{self.param}: the {self.kind.replace('_', ' ')} is empty")
+
+    @property
+    def param(self) -> str:
+        """The API parameter that carries it."""
+        return {"regex": "regex", "ebnf": "ebnf"}.get(self.kind, "response_format")
 
 
 @dataclass(frozen=True)
@@ -30,6 +53,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: bool = False     # the prompt tokens' logprobs too (with top_logprobs alternatives each)
     logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit) as in OpenAI's API
+    grammar: Grammar | None = None    # structured output (specserve/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +101,9 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise bad("logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
+        if self.grammar is not None and self.ignore_eos:
+            raise bad("ignore_eos", f"cannot be combined with {self.grammar.param}: the output ends where the "
+                                    "grammar does")
 
 
 class RequestStatus(enum.Enum):
@@ -153,6 +180,7 @@ class Request:
     stop_text_len: int | None = None      # text cut at a stop string
     text: IncrementalText = field(default_factory=IncrementalText)   # the output's text so far
     stats: SpecStats = field(default_factory=SpecStats)
+    grammar_matcher: Any = None           # xgrammar matcher at the end of the output, for a request with a grammar
 
     @property
     def all_token_ids(self) -> list[int]:

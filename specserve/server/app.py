@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve import __version__
 from specserve.config import engine_config
 from specserve.engine import Engine
+from specserve.grammar import GrammarCompiler
 from specserve.loader import EMBEDDED_NAME
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.server.async_engine import AsyncEngine, EngineError, Submission, Unavailable
@@ -61,7 +62,7 @@ from specserve.server.protocol import (
     TopLogprob,
     Usage,
 )
-from specserve.types import RequestOutput, SamplingParams, SpecStats
+from specserve.types import Grammar, RequestOutput, SamplingParams, SpecStats
 
 MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 1
@@ -166,6 +167,8 @@ class OpenAIServer:
         # Rust tokenizer object must not be used by two threads at once
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size = engine.model_config.vocab_size
+        self.eos_token_ids = set(engine.eos_token_ids)
+        self._grammar_compiler: GrammarCompiler | None = None
         self.max_model_len = engine.max_model_len
         self.model_name = served_model_name or engine.config.model_path or EMBEDDED_NAME
         self.api_key = api_key
@@ -267,6 +270,15 @@ class OpenAIServer:
             raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                            param=param)
 
+    def check_grammar(self, grammar: Grammar) -> None:
+        """A grammar that does not compile is the client's error (400), named before any work starts."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            self._grammar_compiler.matcher(grammar)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=grammar.param) from None
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -287,6 +299,8 @@ class OpenAIServer:
              prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
         """n engine requests per prompt, with max_tokens checked against the context left."""
         self.check_token_ids([t for t, _ in req.logit_bias], "logit_bias")
+        if (grammar := req.grammar) is not None:
+            self.check_grammar(grammar)
         jobs = []
         for ids in prompts:
             room = self.max_model_len - len(ids)

@@ -2,14 +2,15 @@
 
 Requests validate strictly (a string is not a number, 2.0 is not an integer) so that every bad field is
 reported by name, and a field this server does not honour is refused by name rather than ignored; the
-extension fields top_k, min_p and ignore_eos ride along with the OpenAI ones."""
+extension fields top_k, min_p, ignore_eos, regex and ebnf ride along with the OpenAI ones."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from specserve.types import MAX_TOP_LOGPROBS, SamplingParams
+from specserve.types import MAX_TOP_LOGPROBS, Grammar, SamplingParams
 
 MAX_N = 16
 
@@ -74,8 +75,31 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")   # {} admits any JSON value
+    strict: bool | None = None      # the output always follows the schema, strict or not
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"] = Field(description="json_object / json_schema are not served yet: refused by name")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only with it')
+        return self
+
+    @property
+    def grammar(self) -> Grammar | None:
+        if self.type == "json_object":
+            return Grammar("json_object")
+        if self.json_schema is not None:
+            return Grammar("json_schema", json.dumps(self.json_schema.schema_))
+        return None
 
 
 class StreamOptions(_Strict):
@@ -99,7 +123,32 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
     response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1)   # SGLang's extensions: the output matches this regex
+    ebnf: str | None = Field(None, min_length=1)    # or this EBNF grammar (GBNF style, root rule `root`)
     user: str | None = None      # OpenAI's end-user id for abuse monitoring: accepted, it does not shape output
+
+    @field_validator("response_format", "regex", "ebnf")
+    @classmethod
+    def _one_grammar(cls, value: Any, info: ValidationInfo) -> Any:
+        """At most one of response_format (beyond text), regex and ebnf, and none with ignore_eos."""
+        if value is None or (isinstance(value, ResponseFormat) and value.type == "text"):
+            return value
+        earlier = info.data.get("response_format")
+        given = [name for name in ("response_format", "regex", "ebnf") if name != info.field_name
+                 and info.data.get(name) is not None and not (name == "response_format" and earlier.type == "text")]
+        if given:
+            raise ValueError(f"give at most one of response_format, regex and ebnf (got {given[0]} too)")
+        if info.data.get("ignore_eos"):
+            raise ValueError("cannot be combined with ignore_eos: the output ends where the grammar does")
+        return value
+
+    @property
+    def grammar(self) -> Grammar | None:
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        if self.ebnf is not None:
+            return Grammar("ebnf", self.ebnf)
+        return self.response_format.grammar if self.response_format is not None else None
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -127,7 +176,7 @@ class _GenerationRequest(_Strict):
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=None if self.seed is None else self.seed + index, stop=self.stop, ignore_eos=self.ignore_eos,
             logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=self.prompt_logprobs,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias, grammar=self.grammar)
 
 
 class CompletionRequest(_GenerationRequest):

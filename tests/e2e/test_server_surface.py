@@ -1,7 +1,11 @@
 """What a client sees of the API surface beyond generation, through the app in-process: model ids and
 routes, auth headers, /tokenize /detokenize /version, gauges from startup, and every parameter either
-honoured (logit_bias, echo with prompt logprobs, best_of = n, user, response_format text) or refused by name."""
+honoured (logit_bias, echo with prompt logprobs, best_of = n, user, response_format text / json_object /
+json_schema, regex, ebnf) or refused by name."""
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -121,7 +125,13 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(client, engine):
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "best_of must equal n"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "refused rather than ignored"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
+                              "response_format": {"type": "json_schema"}}, "response_format",
+     "json_schema is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "regex": "a+",
+                              "response_format": {"type": "json_object"}}, "regex",
+     "give at most one of response_format, regex and ebnf"),
+    ("/v1/completions", {"prompt": "hi", "ebnf": 'root ::= "a"', "ignore_eos": True}, "ebnf",
+     "cannot be combined with ignore_eos"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "refused"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
@@ -144,6 +154,46 @@ def test_honoured_extras_are_accepted(client):
                          {"role": "user", "content": "again"}], "max_tokens": 3,
             "response_format": {"type": "text"}}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+COLOR_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                                 "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["color", "n"]}
+
+
+@pytest.mark.parametrize("constraint, check", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": COLOR_SCHEMA}}},
+     lambda text: json.loads(text)["color"] in ("red", "green") and 1 <= json.loads(text)["n"] <= 9),
+    ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+    ({"regex": "(yes|no)"}, lambda text: text in ("yes", "no")),
+    ({"ebnf": 'root ::= "x" [0-9] [0-9]'}, lambda text: re.fullmatch(r"x\d\d", text) is not None),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_is_honoured(client, constraint, check, stream):
+    body = {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 40, "temperature": 0, **constraint}
+    if not stream:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
+    else:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        finish = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
+    if "json_object" not in str(constraint):     # a random model can keep an open object going past 40 tokens
+        assert finish == "stop"
+    assert finish == "length" or check(text), text
+
+
+@pytest.mark.parametrize("constraint, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "not a valid json schema"),
+    ({"regex": "(ab"}, "regex", "not a valid regex"),
+    ({"ebnf": "root ::= "}, "ebnf", "not a valid ebnf"),
+])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_parameter(client, constraint, param, words):
+    resp = client.post("/v1/completions", json={"prompt": "hi", **constraint})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param and words in resp.json()["error"]["message"]
 
 
 def test_a_lone_surrogate_is_named(client):
