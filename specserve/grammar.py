@@ -29,7 +29,7 @@ class GrammarCompiler:
     """Compiles a request's grammar for one tokenizer (compiled grammars are cached by xgrammar)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
-        import xgrammar as xgr   # imported here: engines without structured output never pay for it
+        import xgrammar as xgr  # imported here: engines without structured output never pay for it
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
@@ -51,11 +51,15 @@ class GrammarCompiler:
             else:
                 compiled = c.compile_grammar(grammar.value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            # xgrammar's messages start with "[time] source.cc:line: "
-            why = re.sub(r"^\[[\d:]+\] \S+: ", "", str(exc).strip().splitlines()[0]) if str(exc).strip() \
-                else type(exc).__name__
-            raise ValueError(f"{grammar.param}: not a valid {grammar.kind.replace('_', ' ')}: {why}") from None
+            raise ValueError(f"{grammar.param}: not a valid {grammar.kind.replace('_', ' ')}: "
+                             f"{error_text(exc)}") from None
         return self._xgr.GrammarMatcher(compiled)
+
+
+def error_text(exc: Exception) -> str:
+    """The first line of an xgrammar error, without its "[time] source.cc:line: " prefix."""
+    text = str(exc).strip()
+    return re.sub(r"^\[[\d:]+\] \S+: ", "", text.splitlines()[0]) if text else type(exc).__name__
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

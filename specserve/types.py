@@ -22,6 +22,7 @@ class Grammar:
     a JSON schema as text, a regex or an EBNF grammar)."""
     kind: str
     value: str = ""
+    source: str = ""        # the API parameter it came from, when not the kind's own (tools)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -32,7 +33,7 @@ class Grammar:
     @property
     def param(self) -> str:
         """The API parameter that carries it."""
-        return {"regex": "regex", "ebnf": "ebnf"}.get(self.kind, "response_format")
+        return self.source or {"regex": "regex", "ebnf": "ebnf"}.get(self.kind, "response_format")
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,8 @@ def test_sampled_speculation_under_a_grammar_emits_the_targets_restricted_distri
 def block_drafters(tiny_llama, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("grammar-drafters")
     random_block_drafter(tiny_llama.config, "DFLASH", num_layers=1, seed=1, dtype=torch.float64).save(root / "dflash")
-    random_block_drafter(tiny_llama.config, token_map=torch.arange(200), seed=2, dtype=torch.float64).save(root / "dspark")
+    random_block_drafter(tiny_llama.config, token_map=torch.arange(200), seed=2,
+                         dtype=torch.float64).save(root / "dspark")
     return {"dflash": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(root / "dflash")},
             "dspark-hybrid": {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": str(root / "dspark"),
                               "speculative_dspark_confidence_threshold": 0.0, "speculative_ngram_hybrid": True}}

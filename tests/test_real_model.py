@@ -92,7 +92,8 @@ def test_json_schema_output_under_every_algorithm_validates_and_equals_plain():
     """20 prompts under one JSON schema: each algorithm's greedy output equals plain decoding's under the same
     grammar, and every finished output parses and validates."""
     prompts = [f"Describe {s} as JSON with a name, an age and a city." for s in SUBJECTS]
-    params = SamplingParams(temperature=0.0, max_new_tokens=48, grammar=Grammar("json_schema", json.dumps(PERSON_SCHEMA)))
+    params = SamplingParams(temperature=0.0, max_new_tokens=48,
+                            grammar=Grammar("json_schema", json.dumps(PERSON_SCHEMA)))
     drafters = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "drafters")
     algorithms = {"plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM"}, "DSPARK": embedded_pair(),
                   "DFLASH": {"speculative_algorithm": "DFLASH",

@@ -23,7 +23,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                              "needs tokenizer.json/tokenizer_config.json, a GGUF file tokenizer.ggml.* metadata") from e
 
 
-def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """A chat's prompt: the model's chat template over `messages`, ending in the assistant's turn."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                   tools: list[dict] | None = None) -> list[int]:
+    """A chat's prompt: the model's chat template over `messages` (and `tools`, for a template that takes them),
+    ending in the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -59,9 +59,13 @@ from specserve.server.protocol import (
     SpecUsage,
     TokenizeRequest,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from specserve.server.tools import OPEN, parse_tool_calls, template_takes_tools
 from specserve.types import Grammar, RequestOutput, SamplingParams, SpecStats
 
 MAX_BODY_BYTES = 1 << 20
@@ -115,13 +119,17 @@ def sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-def stable_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
+def stable_text(out: RequestOutput, stops: tuple[str, ...], hold_from: str = "") -> str:
     """The part of the cumulative text that later tokens cannot change: without a trailing incomplete
-    UTF-8 character (decoded as U+FFFD) and without a suffix that may be the start of a stop string."""
+    UTF-8 character (decoded as U+FFFD), without a suffix that may be the start of a stop string, and before
+    `hold_from` (a tool call's opening tag: the call goes out whole, parsed, at the end)."""
     if out.finished:
         return out.text
     text = out.text.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    if hold_from and (at := text.find(hold_from)) >= 0:
+        return text[:at]
+    marks = (*stops, hold_from) if hold_from else stops
+    hold = max((k for s in marks for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
     return text[:len(text) - hold]
 
 
@@ -129,6 +137,7 @@ def stable_text(out: RequestOutput, stops: tuple[str, ...]) -> str:
 class Progress:
     """How much of one choice has been sent."""
     stops: tuple[str, ...]
+    hold_from: str = ""
     text_len: int = 0
     num_tokens: int = 0
     text_offset: int = 0      # completions logprobs: characters covered by the tokens sent
@@ -136,7 +145,7 @@ class Progress:
 
     def advance(self, out: RequestOutput) -> tuple[str, int]:
         """New stable text, and the index of the first token not sent yet."""
-        text = stable_text(out, self.stops)
+        text = stable_text(out, self.stops, self.hold_from)
         new, self.text_len = text[self.text_len:], max(self.text_len, len(text))
         start, self.num_tokens = self.num_tokens, len(out.token_ids)
         return new, start
@@ -286,12 +295,16 @@ class OpenAIServer:
         return prompt
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
-        return self.encode_messages(req.messages)
+        return self.encode_messages(req.messages, req.tools)
 
-    def encode_messages(self, messages: list[ChatMessage]) -> list[int]:
-        chat = [{"role": m.role, "content": m.content or ""} for m in messages]
+    def encode_messages(self, messages: list[ChatMessage], tools: list[Tool] | None = None) -> list[int]:
+        chat = [m.template_dict() for m in messages]
+        if tools and not template_takes_tools(self.tokenizer):
+            raise ApiError(400, f"tools: the chat template of {self.model_name} does not render tools, so the model "
+                                "cannot be told about them; serve a model whose template takes tools (e.g. Qwen2.5)",
+                           param="tools")
         try:
-            return chat_token_ids(self.tokenizer, chat)
+            return chat_token_ids(self.tokenizer, chat, [t.model_dump(exclude_none=True) for t in tools or []] or None)
         except jinja2.TemplateError as exc:
             raise ApiError(400, f"messages: the model's chat template rejected them: {exc}", param="messages")
 
@@ -299,7 +312,11 @@ class OpenAIServer:
              prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
         """n engine requests per prompt, with max_tokens checked against the context left."""
         self.check_token_ids([t for t, _ in req.logit_bias], "logit_bias")
-        if (grammar := req.grammar) is not None:
+        try:
+            grammar = req.grammar
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tools") from None
+        if grammar is not None:
             self.check_grammar(grammar)
         jobs = []
         for ids in prompts:
@@ -330,7 +347,7 @@ class OpenAIServer:
         finals = await self.collect(request, sub)
         if finals is None:
             return Response(status_code=499)    # the client went away; its requests were aborted
-        choices = [fmt.choice(i, out.text, out, Progress(fmt.req.stop), 0) for i, out in enumerate(finals)]
+        choices = [fmt.choice(i, out.text, out, fmt.progress(), 0) for i, out in enumerate(finals)]
         return JSONResponse(fmt.response(choices, usage_of(prompt_tokens, finals)).model_dump())
 
     async def collect(self, request: Request, sub: Submission) -> list[RequestOutput] | None:
@@ -366,7 +383,7 @@ class OpenAIServer:
                      prompt_tokens: int) -> AsyncIterator[str]:
         for first in fmt.first_chunks():
             yield sse(first)
-        progress = [Progress(fmt.req.stop) for _ in sub.ids]
+        progress = [fmt.progress() for _ in sub.ids]
         finals: list[RequestOutput] = [None] * len(sub.ids)
         wants_logprobs = fmt.req.logprob_params[0]
         try:
@@ -396,6 +413,9 @@ class CompletionFormat:
 
     def first_chunks(self) -> list[BaseModel]:
         return []
+
+    def progress(self) -> Progress:
+        return Progress(self.req.stop)
 
     def choice(self, index: int, text: str, out: RequestOutput, progress: Progress, start: int) -> CompletionChoice:
         """`text` and the tokens from `start` on: all of them, or what is new in a stream; with echo, the
@@ -442,17 +462,28 @@ class ChatFormat:
         return [self.response([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
                 for i in range(self.req.n)]
 
+    def progress(self) -> Progress:
+        return Progress(self.req.stop, OPEN if self.req.parses_tool_calls else "")
+
     def choice(self, index: int, text: str, out: RequestOutput, progress: Progress,
                start: int) -> ChatChoice | ChatChunkChoice:
+        """`text`: the whole text, or in a stream the part not sent yet (with a tool call, all of it arrives at
+        the finish, since progress holds it back from the opening tag on)."""
         logprobs = None
         if self.req.logprobs:
             logprobs = ChatLogprobs(content=[self.token_logprob(out, i) for i in range(start, len(out.token_ids))])
         finish_reason = out.finish_reason if out.finished else None
+        content, calls = text, []
+        if out.finished and self.req.parses_tool_calls:
+            content, calls = parse_tool_calls(text, self.req.parallel_tool_calls)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         if self.req.stream:
-            return ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs,
-                                   finish_reason=finish_reason)
-        return ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
-                          finish_reason=finish_reason)
+            delta = Delta(content=content if not calls else content or None,
+                          tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)] or None)
+            return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        message = AssistantMessage(content=content, tool_calls=[ToolCall(**c) for c in calls] or None)
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason)
 
     def response(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk | ChatCompletionResponse:
         kind = ChatCompletionChunk if self.req.stream else ChatCompletionResponse

@@ -6,10 +6,12 @@ extension fields top_k, min_p, ignore_eos, regex and ebnf ride along with the Op
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from specserve.server.tools import call_grammar
 from specserve.types import MAX_TOP_LOGPROBS, Grammar, SamplingParams
 
 MAX_N = 16
@@ -205,15 +207,77 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.logprobs is not None
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str          # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | None, BeforeValidator(_content)] = ""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant turn's calls
+    tool_call_id: str | None = None              # a tool turn answers this call
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content (a string), got null")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message carries them, not a {self.role} message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers, and only it")
         return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (a call's arguments as an object when they are JSON)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None      # the arguments always follow the parameters when the call is constrained
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -221,6 +285,47 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice is None or choice == "none":
+            return choice
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if not names:
+            raise ValueError(f"{choice if isinstance(choice, str) else 'a named function'} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names function {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names)})")
+        response_format = info.data.get("response_format")
+        if choice != "auto" and ((response_format is not None and response_format.type != "text")
+                                 or info.data.get("regex") is not None or info.data.get("ebnf") is not None):
+            raise ValueError("a forced call constrains the output already: drop response_format, regex or ebnf")
+        return choice
+
+    @cached_property
+    def grammar(self) -> Grammar | None:
+        """A forced tool call's grammar (a ValueError naming tools when a parameters schema cannot be
+        enforced), else response_format's, regex's or ebnf's."""
+        if forced := self.forced_functions:
+            return call_grammar(forced, self.parallel_tool_calls)
+        return super().grammar
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output's tool-call blocks become message.tool_calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> list[dict[str, Any]]:
+        """The functions the output must call (tool_choice required or named), else []."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools
+                if self.tool_choice == "required" or t.function.name == self.tool_choice.function.name]
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -312,7 +417,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -331,9 +437,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
