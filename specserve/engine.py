@@ -177,10 +177,9 @@ class Engine:
         for req in plan.preempted:
             self.proposer.release(req)
         proposal = self.proposer.propose(plan)
-        proposal, allowed = grammar.constrain(plan, proposal, self.model_config.vocab_size, self.generator)
+        proposal, allowed = grammar.constrain(plan, proposal, self.model_config.vocab_size)
         out = self.runner.forward(plan, proposal)
-        logits = out.logits if allowed is None else grammar.masked(out.logits, allowed)
-        result = verify(logits, plan, proposal, self.generator)
+        result = verify(out.logits, plan, proposal, self.generator, allowed)
         return self.commit(plan, proposal, result, out)
 
     def commit(self, plan: StepPlan, proposal: Proposal, result: VerifyResult,

@@ -3,12 +3,12 @@ xgrammar masks the target's logits at every row of a request's verify window.
 
 Before the target runs, each constrained request's matcher walks its drafts: row k's mask is the set of tokens
 the grammar allows after drafts 1..k, and the matcher is rolled back when the walk ends (commit advances it by
-the tokens actually emitted). A draft the grammar forbids cannot be accepted, so the window is cut there. For
-drafts sampled from a distribution q the verifier needs the distribution each kept draft was drawn from: a
-draft that the grammar allows is a sample of q restricted to the allowed tokens (q'), and a forbidden one is
-replaced by a fresh sample of q' (when q' has mass) and ends the window, so every kept draft is exactly a
-sample of q'. The verifier then sees masked logits (p') and q', and its output is distributed as the target
-under the grammar; greedy output equals plain decoding under the same grammar.
+the tokens actually emitted). A draft the grammar forbids cannot be accepted, so the window ends there: a
+deterministic draft is dropped (the verifier's argmax or race winner could never equal it), a sampled one is
+kept as the window's last draft, because speculative sampling is exact for any drafter distribution q only
+if a draft drawn from q is verified against q: its sure rejection (p' of it is 0) then samples the residual
+max(p' - q, 0). The verifier sees the masked target (p'), so greedy output equals plain decoding under the same
+grammar and sampled output is distributed as the target restricted to it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve import sampling
 from specserve.types import Grammar, Proposal, StepPlan
 
 if TYPE_CHECKING:
@@ -68,11 +67,10 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
-def constrain(plan: StepPlan, proposal: Proposal, vocab_size: int,
-              generator: torch.Generator | None = None) -> tuple[Proposal, torch.Tensor | None]:
-    """The proposal with each constrained request's drafts cut (or the first forbidden sampled draft redrawn
-    from q') and its draft distributions restricted to the grammar, and the allowed tokens of every verify
-    row ([num_rows, vocab] bool, rows as the verifier counts them), or None when no request has a grammar."""
+def constrain(plan: StepPlan, proposal: Proposal, vocab_size: int) -> tuple[Proposal, torch.Tensor | None]:
+    """The proposal with each constrained request's drafts cut where the grammar forbids one, and the allowed
+    tokens of every verify row ([num_rows, vocab] bool, rows as the verifier counts them), or None when no
+    request has a grammar."""
     if not any(s.samples and s.request.grammar_matcher is not None for s in plan.scheduled):
         return proposal, None
     import xgrammar as xgr
@@ -87,55 +85,34 @@ def constrain(plan: StepPlan, proposal: Proposal, vocab_size: int,
             rows.append(torch.ones(1 + len(drafts[i]), vocab_size, dtype=torch.bool))
             continue
         bitmask = xgr.allocate_token_bitmask(1 + len(drafts[i]), vocab_size)
-        kept = _walk(matcher, sched.request, drafts[i], probs[i], bitmask, vocab_size, generator)
-        allowed = unpack(bitmask[:1 + len(kept[0])], vocab_size)
-        drafts[i], probs[i] = kept
+        n = _walk(matcher, drafts[i], sampled=probs[i] is not None, bitmask=bitmask)
+        drafts[i] = drafts[i][:n]
+        if probs[i] is not None:
+            probs[i] = probs[i][:n]
         if confidences and confidences[i] is not None:
-            confidences[i] = confidences[i][:len(kept[0])]
-        rows.append(allowed)
-    new = Proposal(tuple(drafts), tuple(probs), tuple(confidences))
-    return new, torch.cat(rows)
+            confidences[i] = confidences[i][:n]
+        rows.append(unpack(bitmask[:1 + n], vocab_size))
+    return Proposal(tuple(drafts), tuple(probs), tuple(confidences)), torch.cat(rows)
 
 
-def _walk(matcher, req, drafts: tuple[int, ...], q: torch.Tensor | None,   # q: [>= len(drafts), vocab] or None
-          bitmask: torch.Tensor, vocab_size: int,
-          generator: torch.Generator | None) -> tuple[tuple[int, ...], torch.Tensor | None]:
-    """Fill bitmask row k with what the grammar allows after the first k kept drafts; return the kept drafts
-    and their distributions restricted to the grammar. The matcher ends where it started."""
-    kept: list[int] = []
-    kept_q: list[torch.Tensor] = []
+def _walk(matcher, drafts: tuple[int, ...], sampled: bool, bitmask: torch.Tensor) -> int:
+    """Fill bitmask row k with what the grammar allows after drafts 1..k, and return how many drafts to
+    verify: up to the first one the grammar forbids, that one included when it was sampled (a sampled draft
+    is verified against the distribution it came from, and the verifier's sure rejection then draws from the
+    residual; dropping it would bias that row toward p). Rows past the walk stay all-allowed: they are never
+    reached. The matcher ends where it started."""
     matcher.fill_next_token_bitmask(bitmask, 0)
+    accepted, forbidden = 0, False
     for k, token in enumerate(drafts):
-        allowed = unpack(bitmask[k:k + 1], vocab_size)[0]
-        redrawn = False
-        if q is not None:
-            restricted = torch.where(allowed, q[k], 0)
-            mass = restricted.sum()
-            if mass <= 0:
-                break
-            restricted = restricted / mass
-            if not allowed[token]:
-                token = sampling.draw_draft(restricted, req.params.seed, req.num_tokens + k, generator)
-                redrawn = True
-            kept_q.append(restricted)
-        elif not allowed[token]:
+        if not (int(bitmask[k, token >> 5]) >> (token & 31)) & 1:
+            forbidden = True
             break
         if not matcher.accept_token(token):
             raise RuntimeError(f"grammar matcher refused token {token} that its own mask allowed")
-        kept.append(token)
+        accepted += 1
         if matcher.is_terminated():
-            break       # a stop token: commit ends the request there, so the next row (left all-allowed) is cut
-
+            break       # a stop token: commit ends the request there
         matcher.fill_next_token_bitmask(bitmask, k + 1)
-        if redrawn:
-            break
-    if kept:
-        matcher.rollback(len(kept))
-    kept_probs = torch.stack(kept_q).to(q.dtype) if kept_q else (None if q is None else q[:0])
-    return tuple(kept), kept_probs
-
-
-def masked(logits: torch.Tensor,    # [num_rows, vocab]
-           allowed: torch.Tensor    # [num_rows, vocab] bool
-           ) -> torch.Tensor:
-    return logits.masked_fill(~allowed, float("-inf"))
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted + (forbidden and sampled)

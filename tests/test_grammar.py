@@ -63,18 +63,20 @@ def test_the_walk_cuts_at_the_first_forbidden_draft_and_rolls_the_matcher_back(t
     assert grammar.constrain(_plan([free]), Proposal((drafts,), (None,)), vocab) == (Proposal((drafts,), (None,)), None)
 
 
-def test_a_sampled_forbidden_draft_is_redrawn_from_the_allowed_part_of_its_distribution(tiny_llama):
+def test_a_sampled_forbidden_draft_stays_as_the_windows_last_draft(tiny_llama):
+    """A forbidden sampled draft is verified (surely rejected, so its row samples the residual of its own q);
+    the drafts after it go, and the row after it is never reached."""
     tok, vocab = tiny_llama.tokenizer, tiny_llama.config.vocab_size
     req = Request("r", [1], SamplingParams(temperature=1.0, grammar=GRAMMARS["regex"]))
     req.grammar_matcher = grammar.GrammarCompiler(tok, vocab, {256}).matcher(GRAMMARS["regex"])
     a, b, x = tok.encode("abx")
-    q = torch.zeros(2, vocab, dtype=torch.float64)
-    q[0, [x, b]] = torch.tensor([0.75, 0.25], dtype=torch.float64)
-    q[1, a] = 1.0
-    new, _ = grammar.constrain(_plan([req]), Proposal(((x, a),), (q,)), vocab)
-    # x is forbidden: redrawn from q restricted to {a, b} (all of it on b), and the window ends there
-    assert new.draft_tokens == ((b,),)
-    assert new.draft_probs[0].shape == (1, vocab) and new.draft_probs[0][0, b] == 1.0
+    q = torch.softmax(torch.randn(3, vocab, dtype=torch.float64), -1)
+    new, allowed = grammar.constrain(_plan([req]), Proposal(((a, x, b),), (q,)), vocab)
+    assert new.draft_tokens == ((a, x),) and torch.equal(new.draft_probs[0], q[:2])
+    assert [_allowed_text(tok, row) for row in allowed[:2]] == [{"a", "b"}, {"b"}] and allowed[2].all()
+    greedy = Request("g", [1], SamplingParams(temperature=0.0, grammar=GRAMMARS["regex"]))
+    greedy.grammar_matcher = req.grammar_matcher
+    assert grammar.constrain(_plan([greedy]), Proposal(((a, x, b),), (None,)), vocab)[0].draft_tokens == ((a,),)
 
 
 class ToyMatcher:
@@ -110,6 +112,17 @@ class ToyMatcher:
 def test_sampled_speculation_under_a_grammar_emits_the_targets_restricted_distribution(seeded):
     """Two drafts from a drafter with mass on forbidden tokens; the first two emitted tokens of many requests
     follow p restricted to the grammar at each position (chi-square, as tests/test_verify.py)."""
+    assert _two_token_fit(seeded) > 1e-3
+
+
+def test_the_statistic_catches_a_dropped_forbidden_sampled_draft(monkeypatch):
+    walk = grammar._walk
+    monkeypatch.setattr(grammar, "_walk", lambda matcher, drafts, sampled, bitmask: walk(matcher, drafts, False,
+                                                                                          bitmask))
+    assert _two_token_fit(seeded=False) < 1e-3
+
+
+def _two_token_fit(seeded: bool) -> float:
     vocab, n = 8, 12000
     gen = torch.Generator().manual_seed(3)
     t0, t1, t2 = torch.randn(vocab, generator=gen), torch.randn(vocab, vocab, generator=gen), torch.randn(vocab)
@@ -124,16 +137,15 @@ def test_sampled_speculation_under_a_grammar_emits_the_targets_restricted_distri
         d0 = int(torch.multinomial(q0, 1, generator=gen))
         d1 = int(torch.multinomial(q1[d0], 1, generator=gen))
         proposal = Proposal(((d0, d1),), (torch.stack([q0, q1[d0]]),))
-        proposal, allowed = grammar.constrain(_plan([req]), proposal, vocab, gen)
+        proposal, allowed = grammar.constrain(_plan([req]), proposal, vocab)
         kept = proposal.draft_tokens[0]
         logits = torch.stack([t0, *([t1[kept[0]]] if kept else []), *([t2] if len(kept) > 1 else [])])
-        emitted = verify(grammar.masked(logits, allowed), _plan([req]), proposal, gen).per_request[0].emitted
+        emitted = verify(logits, _plan([req]), proposal, gen, allowed).per_request[0].emitted
         if len(emitted) == 1:
             req.grammar_matcher.accept_token(emitted[0])
             req.output_token_ids.append(emitted[0])
-            plain, allowed = grammar.constrain(_plan([req]), Proposal.none(1), vocab, gen)
-            emitted += verify(grammar.masked(t1[emitted[0]][None], allowed), _plan([req]), plain,
-                              gen).per_request[0].emitted
+            plain, allowed = grammar.constrain(_plan([req]), Proposal.none(1), vocab)
+            emitted += verify(t1[emitted[0]][None], _plan([req]), plain, gen, allowed).per_request[0].emitted
         tokens.append(emitted[:2])
     tokens = torch.tensor(tokens)
     mask0 = torch.zeros(vocab, dtype=torch.bool)
@@ -145,7 +157,7 @@ def test_sampled_speculation_under_a_grammar_emits_the_targets_restricted_distri
     p1 = sampling.process(t1.masked_fill(~mask1, float("-inf")).double(), params)
     first = torch.bincount(tokens[:, 0], minlength=vocab)
     joint = torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
-    assert min(_chi2_pvalue(first, p0), _chi2_pvalue(joint, p0[:, None] * p1)) > 1e-3
+    return min(_chi2_pvalue(first, p0), _chi2_pvalue(joint, p0[:, None] * p1))
 
 
 @pytest.fixture(scope="module")

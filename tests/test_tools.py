@@ -30,7 +30,9 @@ def test_call_blocks_become_tool_calls_and_the_rest_stays_content():
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
-    assert len(parse_tool_calls(text, parallel=False)[1]) == 1
+    content, (first,) = parse_tool_calls(text, parallel=False)
+    assert first["function"]["name"] == "get_weather" and content.endswith(
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_tool_calls(broken) == (broken, [])
     assert parse_tool_calls("plain answer") == ("plain answer", [])
@@ -54,6 +56,16 @@ def test_the_call_grammar_admits_calls_of_the_given_functions_only(tiny_llama, p
     assert not accepts(weather.replace("get_weather", "get_wind"))
     assert not accepts(weather.replace('{"city": "Oslo"}', "{}"))          # city is required
     assert accepts(weather + "\n" + clock) == parallel
+
+
+def test_a_function_or_property_named_root_keeps_its_name(tiny_llama):
+    """The parallel grammar renames its start rule; a literal "root" inside the call must survive."""
+    tok = tiny_llama.tokenizer
+    root = {"name": "root", "parameters": {"type": "object", "properties": {"root": {"enum": ["root"]}},
+                                           "required": ["root"]}}
+    matcher = GrammarCompiler(tok, tiny_llama.config.vocab_size, {tok.eos_token_id}).matcher(call_grammar([root], True))
+    call = '<tool_call>\n{"name": "root", "arguments": {"root": "root"}}\n</tool_call>'
+    assert all(matcher.accept_token(t) for t in tok.encode(call)) and matcher.is_completed()
 
 
 def test_a_parameters_schema_xgrammar_cannot_take_is_named():

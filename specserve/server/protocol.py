@@ -300,6 +300,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"names function {choice.function.name!r}, which is not among the tools "
                              f"({', '.join(names)})")
+        if choice != "auto" and info.data.get("ignore_eos"):
+            raise ValueError("a forced call cannot be combined with ignore_eos: the output ends with the call")
         response_format = info.data.get("response_format")
         if choice != "auto" and ((response_format is not None and response_format.type != "text")
                                  or info.data.get("regex") is not None or info.data.get("ebnf") is not None):

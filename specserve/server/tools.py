@@ -45,13 +45,16 @@ def call_grammar(functions: list[dict[str, Any]], parallel: bool) -> Grammar:
                              xgr.Grammar.from_ebnf(f'root ::= "\\n{CLOSE}"'))
     text = str(one)
     if parallel:
-        text = re.sub(r"\broot\b", "tool_call", text) + '\nroot ::= tool_call ("\\n" tool_call){0, -1}\n'
+        # only the start rule's definition is renamed: a bare "root" elsewhere may sit inside a string literal
+        text = re.sub(r"^root ::=", "tool_call ::=", text, count=1, flags=re.M) \
+            + '\nroot ::= tool_call ("\\n" tool_call){0, -1}\n'
     return Grammar("ebnf", text, source="tools")
 
 
 def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
     """(the text outside the call blocks, None when only whitespace; the calls as OpenAI tool_calls). A block
-    whose JSON has no name and arguments object stays in the text. Without `parallel` only the first call counts."""
+    whose JSON has no name and arguments object stays in the text; so do the calls after the first without
+    `parallel`."""
     calls, kept, last = [], [], 0
     for match in _BLOCK.finditer(text):
         try:
@@ -61,11 +64,12 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list
         if not (isinstance(value, dict) and isinstance(value.get("name"), str)
                 and isinstance(value.get("arguments", {}), dict)):
             continue
+        if calls and not parallel:
+            continue        # one call only: a later block stays in the text
         kept.append(text[last:match.start()])
         last = match.end()
-        if parallel or not calls:
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": value["name"],
-                                       "arguments": json.dumps(value.get("arguments", {}), ensure_ascii=False)}})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": value["name"],
+                                   "arguments": json.dumps(value.get("arguments", {}), ensure_ascii=False)}})
     content = "".join(kept) + text[last:]
     return (content if content.strip() else None), calls

@@ -49,12 +49,16 @@ def verify(
     plan: StepPlan,
     proposal: Proposal,
     generator: torch.Generator | None = None,
+    allowed: torch.Tensor | None = None,    # [num_rows, vocab] bool: the tokens grammars allow (grammar.py)
 ) -> VerifyResult:
+    """Tokens are chosen from the penalised logits restricted to `allowed`; logprobs stay the raw model's."""
     blocks = _blocks(plan, proposal)
     num_rows = blocks[-1].end if blocks else 0
     if logits.shape[0] != num_rows:
         raise ValueError(f"verify expected {num_rows} logit rows, got {logits.shape[0]}")
     scores = _penalised(logits, blocks)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     greedy = [b for b in blocks if b.request.params.greedy]
     coupled = [b for b in blocks if not b.request.params.greedy and b.request.params.seed is not None]
     rejection = [b for b in blocks if not b.request.params.greedy and b.request.params.seed is None]

@@ -184,6 +184,18 @@ def test_structured_output_is_honoured(client, constraint, check, stream):
     assert finish == "length" or check(text), text
 
 
+def test_logprobs_under_a_grammar_are_the_raw_models(client):
+    """Tokens are chosen under the grammar; their logprobs and alternatives are the unconstrained model's."""
+    body = {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5}
+    constrained = client.post("/v1/chat/completions", json={**body, "regex": "[0-9]+"})
+    assert constrained.status_code == 200, constrained.text
+    for entry in constrained.json()["choices"][0]["logprobs"]["content"]:
+        assert entry["token"].isdigit() and len(entry["top_logprobs"]) == 5
+        assert all(alt["logprob"] <= 0 for alt in entry["top_logprobs"])
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"]
+
+
 @pytest.mark.parametrize("constraint, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "not a valid json schema"),

@@ -103,6 +103,7 @@ def test_a_conversation_with_calls_and_their_results_renders(client):
      "'nope', which is not among the tools (get_weather)"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "tool_call_id"),
     ({"tools": [WEATHER], "tool_choice": "required", "regex": "a"}, "tool_choice", "drop response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "tool_choice", "ignore_eos"),
 ])
 def test_inconsistent_tool_fields_are_422s_that_say_why(client, body, param, words):
     resp = client.post("/v1/chat/completions", json={"messages": ASK, **body})
