@@ -1,5 +1,6 @@
 """Load on an NGRAM server: 32 concurrent streaming clients × 4 requests with mixed parameters finish
-without errors and leave every KV page free; a client that goes away aborts its request."""
+without errors and leave every KV page free; a client that goes away aborts its request; a short request is
+not stuck behind a long prefill (the embedded model)."""
 import asyncio
 import random
 import time
@@ -102,3 +103,35 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server):
                    json={"prompt": "hi", "max_tokens": CONTEXT - 8, "ignore_eos": True})
     wait_aborted(server, aborted + 1)
     assert server.wait_idle()[ABORTED] == aborted + 1
+
+
+@pytest.mark.real_model
+def test_a_short_request_is_not_stuck_behind_a_long_prefill(tmp_path):
+    """The embedded model prefills a ~3,000-token prompt in 256-token steps; a short chat request sent meanwhile
+    gets its first token long before the long prompt does (its prefill is capped while others wait)."""
+    server = ServerProcess(tmp_path / "server.log", "--kv-cache-memory", "400000000", "--max-num-batched-tokens",
+                           "256")
+    try:
+        long_prompt = "The history of the city is long and full of surprises. " * 250
+
+        async def first_token_s(client: openai.AsyncOpenAI, content: str, delay: float) -> float:
+            await asyncio.sleep(delay)
+            start = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": content}], max_tokens=4,
+                temperature=0, stream=True)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    return time.perf_counter() - start
+            return time.perf_counter() - start
+
+        async def both() -> tuple[float, float]:
+            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                          timeout=120) as client:
+                return tuple(await asyncio.gather(first_token_s(client, long_prompt, 0.0),
+                                                  first_token_s(client, "Say hi.", 0.5)))
+
+        long_ttft, short_ttft = asyncio.run(both())
+        assert short_ttft < 3.0 and short_ttft + 0.5 < long_ttft, (short_ttft, long_ttft)
+    finally:
+        server.stop()
