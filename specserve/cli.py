@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from specserve.config import add_engine_args, engine_kwargs
 
@@ -29,6 +30,25 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    structured = parser.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None,
+                            help="the output follows this JSON schema (JSON text, or @FILE); '{}' for any JSON object")
+    structured.add_argument("--regex", default=None, help="the output matches this regular expression")
+    structured.add_argument("--ebnf", default=None, help="the output follows this EBNF grammar (start rule root)")
+
+
+def output_grammar(args: argparse.Namespace):
+    """--json-schema / --regex / --ebnf as a Grammar, or None."""
+    from specserve.types import Grammar
+
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if schema.startswith("@"):
+            schema = Path(schema[1:]).read_text()
+        return Grammar("json_object") if schema.strip() == "{}" else Grammar("json_schema", schema)
+    if args.regex is not None:
+        return Grammar("regex", args.regex)
+    return Grammar("ebnf", args.ebnf) if args.ebnf is not None else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -37,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, grammar=output_grammar(args))
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     logging.info("model loaded in %.2f s", time.perf_counter() - start)

@@ -1,4 +1,5 @@
-"""The command line: JSON output on a tiny model saved to disk, and one-line errors with exit code 2."""
+"""The command line: JSON output on a tiny model saved to disk, structured output, and one-line errors with
+exit code 2."""
 import json
 import subprocess
 import sys
@@ -30,7 +31,20 @@ def test_generate_json(tiny_folder, capsys):
         assert record["num_tokens"] == 5 == len(record["token_ids"]) and record["finish_reason"] == "length"
 
 
+def test_generate_follows_a_grammar(tiny_folder, tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    for flag, value, check in (("--regex", "(yes|no)", lambda t: t in ("yes", "no")),
+                               ("--json-schema", f"@{schema}", lambda t: isinstance(json.loads(t)["ok"], bool)),
+                               ("--ebnf", 'root ::= "x" [0-9]', lambda t: len(t) == 2 and t[0] == "x")):
+        assert main(["generate", "--model-path", str(tiny_folder), "--json", "--max-new-tokens", "40", flag, value,
+                     "hello"]) == 0
+        record = json.loads(capsys.readouterr().out)
+        assert record["finish_reason"] == "stop" and check(record["text"]), record["text"]
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--regex", "(ab", "hi"], "regex: not a valid regex"),
     (["--model-path", "/no/such/model.gguf", "hi"], "does not exist"),
     (["--max-new-tokens", "0", "hi"], "max_new_tokens"),
     (["--temperature", "-1", "hi"], "temperature"),
