@@ -336,7 +336,8 @@ class OpenAIServer:
 
     async def generate(self, request: Request, prompts: list[list[int]],
                        fmt: CompletionFormat | ChatFormat) -> Response:
-        jobs = self.jobs(fmt.req, prompts)
+        # off the event loop: compiling a grammar (a JSON schema, a forced tool call) can take a while
+        jobs = await asyncio.to_thread(self.jobs, fmt.req, prompts)
         try:
             sub = self.core.submit(jobs)
         except Unavailable as exc:
