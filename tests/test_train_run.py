@@ -108,5 +108,6 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     assert len(index.read_text().splitlines()) == 3            # only the first three examples were featurised
     assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "1", "--init-from", str(tmp_path / "out"),
                                                 "--work-dir", str(tmp_path / "again.work")])) == 0
+    assert "| initialised from | an exported drafter's weights" in (tmp_path / "out" / "README.md").read_text()
     assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
     assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90

@@ -106,6 +106,9 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                        + (f" + {cfg.loss.confidence:g} confidence BCE" if cfg.algorithm == "DSPARK" else ""),
                "training time": f"{trainer.elapsed:,.0f} s ({torch.get_num_threads()} threads, {cfg.dtype})"}
     summary["target features"] = f"{quantization} target, top-{cfg.target_top_k} probabilities"
+    if init_from is not None:
+        summary["initialised from"] = "an exported drafter's weights and token map (--init-from); steps and time " \
+                                      "above are this run's"
     (out / "README.md").write_text(model_card(ckpt, cfg.block_size, summary, table, held_out))
     return ckpt
 
