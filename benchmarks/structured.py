@@ -30,10 +30,19 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 SUBJECTS = ["a baker", "a pilot", "a student", "a painter", "a doctor", "a farmer", "a chef", "a poet", "a nurse",
             "a sailor", "a teacher", "a judge", "a miner", "a singer", "a diver", "a writer", "a tailor", "a monk",
             "a coach", "a pianist"]
+PROMPTS = [f"Describe {s} as JSON with a name, an age and a city." for s in SUBJECTS]
 DRAFTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
+ALGORITHMS = {   # engine arguments: plain, then each algorithm with the drafter the other benchmarks use
+    "plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM"}, "DSPARK": embedded_pair(),
+    "DFLASH": {"speculative_algorithm": "DFLASH",
+               "speculative_draft_model_path": os.path.join(DRAFTERS, "smollm2-135m-dflash")},
+    "EAGLE": {"speculative_algorithm": "EAGLE",
+              "speculative_draft_model_path": os.path.join(DRAFTERS, "smollm2-135m-eagle")},
+}
 
 
 def valid(text: str) -> bool:
+    """A finished output under SCHEMA: JSON with exactly name, age (an integer) and city."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -46,25 +55,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    prompts = [f"Describe {s} as JSON with a name, an age and a city." for s in SUBJECTS]
-    algorithms = {
-        "plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM"}, "DSPARK": embedded_pair(),
-        "DFLASH": {"speculative_algorithm": "DFLASH",
-                   "speculative_draft_model_path": os.path.join(DRAFTERS, "smollm2-135m-dflash")},
-        "EAGLE": {"speculative_algorithm": "EAGLE",
-                  "speculative_draft_model_path": os.path.join(DRAFTERS, "smollm2-135m-eagle")},
-    }
     grammar = Grammar("json_schema", json.dumps(SCHEMA))
     rows, plain_tokens = {}, None
-    for name, kwargs in tqdm(algorithms.items(), desc="algorithms"):
+    for name, kwargs in tqdm(ALGORITHMS.items(), desc="algorithms"):
         llm = LLM(num_threads=args.threads, **kwargs)
-        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=8), chat=True)   # warm up
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=8), chat=True)   # warm up
         row = {}
         for mode, g in (("free", None), ("json_schema", grammar)):
             params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, grammar=g)
             llm.engine.stats = SpecStats()
             start, tokens, outs = time.perf_counter(), 0, []
-            for prompt in prompts:              # batch 1: the latency case speculation is for
+            for prompt in PROMPTS:              # batch 1: the latency case speculation is for
                 out = llm.generate(prompt, params, chat=True)[0]
                 tokens += len(out.token_ids)
                 outs.append(out)
@@ -84,7 +85,7 @@ def main() -> None:
     summary = {f"{name}_accept_{mode}": rows[name][mode]["accept_length"] for name in rows for mode in rows[name]}
     summary["all_valid"] = all(r["json_schema"]["all_finished_valid"] for r in rows.values())
     summary["all_same_as_plain"] = all(r["json_schema"]["same_tokens_as_plain"] for r in rows.values())
-    path = write_result("structured", summary, {"config": vars(args) | {"prompts": len(prompts), "batch": 1},
+    path = write_result("structured", summary, {"config": vars(args) | {"prompts": len(PROMPTS), "batch": 1},
                                                 "schema": SCHEMA, "rows": rows})
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
