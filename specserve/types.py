@@ -18,7 +18,7 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
 @dataclass(frozen=True)
 class Grammar:
-    """Structured output: the output must match this grammar (any JSON value for json_object, else `value`:
+    """Structured output: the output must match this grammar (any JSON object for json_object, else `value`:
     a JSON schema as text, a regex or an EBNF grammar)."""
     kind: str
     value: str = ""

@@ -15,6 +15,7 @@ from specserve.server.tools import call_grammar
 from specserve.types import MAX_TOP_LOGPROBS, Grammar, SamplingParams
 
 MAX_N = 16
+NAME = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule for function and response-format names
 
 
 def _is_int(x: Any) -> bool:
@@ -79,7 +80,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=NAME)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")   # {} admits any JSON value
     strict: bool | None = None      # the output always follows the schema, strict or not
@@ -207,9 +208,6 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.logprobs is not None
 
 
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-
-
 class FunctionCall(_Strict):
     name: str
     arguments: str          # JSON text, as OpenAI sends it
@@ -260,7 +258,7 @@ def _arguments(text: str) -> Any:
 
 
 class FunctionDefinition(_Strict):
-    name: str = Field(pattern=FUNCTION_NAME)
+    name: str = Field(pattern=NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None      # the arguments always follow the parameters when the call is constrained
