@@ -3,9 +3,9 @@
   the same dequantized weights) at batch 1 and 8;
 - the int8 target's verify cost t(8 rows) / t(1 row) (one sequence's window, 128 tokens of context);
 - decode speed at a 4,000-token context against a 100-token one;
-- where a batch-1 int8 step goes (int8 linears with their per-token scaling, attention, the rest of the
-  forward, the LM head, and everything outside the forward), next to the time reading the int8 weights
-  once takes at this machine's measured memory bandwidth.
+- where a batch-1 int8 step goes (torch.profiler: int8 matmuls, attention, other ops, and the interpreter,
+  Python and dispatch around them), next to the time reading the int8 weights once takes at this machine's
+  measured memory bandwidth.
 Writes benchmarks/results/decode.json.
 
     .venv/bin/python benchmarks/decode.py [--max-new-tokens 128] [--repeats 2]
@@ -25,15 +25,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import specserve.attention.sdpa as sdpa  # noqa: E402
-import specserve.models.llama as llama  # noqa: E402
 from benchmarks.common import CHAT_PROMPTS as PROMPTS  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
 from specserve.loader import load_checkpoint  # noqa: E402
 from specserve.loader.safetensors import hf_config  # noqa: E402
 from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
-from specserve.quantization import Int8Linear  # noqa: E402
 from specserve.speculative.cost_table import measure_cost_table  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
@@ -100,43 +97,32 @@ def int8_weight_bytes(llm: LLM) -> int:
 
 
 def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    """Milliseconds per batch-1 decode step in each part, timed around the calls while decoding."""
+    """Milliseconds per batch-1 decode step in each part. The layer stack runs in TorchScript, so nothing can be
+    timed around its calls: torch.profiler takes each op's own CPU time while decoding, the ops are grouped, and
+    the shares are scaled to the step time of an unprofiled run (the profiler's per-op cost would inflate the
+    rest). "Interpreter, Python and dispatch" is the part of the step that no op accounts for."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
+    start = time.perf_counter()
+    steps = len(llm.generate([prompt], params)[0].token_ids)
+    step_s = (time.perf_counter() - start) / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        profiled_s = time.perf_counter() - start
+    groups = {"int8 matmuls (fbgemm, the LM head included)": ("quantized::linear_dynamic",),
+              "attention (SDPA, K/V gather and write)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                                                          "aten::index_select", "aten::index_copy_")}
     spent: dict[str, float] = defaultdict(float)
-    head = llm.engine.model.head
-
-    def timed(fn, key):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            spent[key] += time.perf_counter() - start
-            return out
-        return wrapper
-
-    call, attend, forward = Int8Linear.__call__, sdpa.paged_attention, llm.engine.model.forward
-
-    def linear(self, x):
-        start = time.perf_counter()
-        out = call(self, x)
-        spent["LM head" if self is head else "int8 linears (incl. per-token scaling)"] += time.perf_counter() - start
-        return out
-
-    Int8Linear.__call__, llama.paged_attention = linear, timed(attend, "attention (incl. KV write)")
-    llm.engine.model.forward = timed(forward, "forward")
-    try:
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=4))
-        spent.clear()
-        start = time.perf_counter()
-        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))[0]
-        total = time.perf_counter() - start
-    finally:
-        Int8Linear.__call__, llama.paged_attention = call, attend
-        del llm.engine.model.forward
-    steps = len(out.token_ids)
-    parts = {k: v for k, v in spent.items() if k != "forward"}
-    parts["rest of the forward (norms, rotary, residuals, embedding)"] = (
-        spent["forward"] - sum(v for k, v in parts.items() if k != "LM head"))
-    parts["outside the forward (schedule, sampling, commit, text)"] = total - spent["forward"] - spent["LM head"]
-    return {k: round(v / steps * 1e3, 2) for k, v in parts.items()} | {"step": round(total / steps * 1e3, 2)}
+    for event in prof.key_averages():
+        if not event.key.startswith(("aten::", "quantized::", "mkldnn::")):
+            continue
+        group = next((g for g, names in groups.items() if event.key in names),
+                     "other ops (norms, rotary, scaling, casts)")
+        spent[group] += event.self_cpu_time_total / 1e6
+    spent["interpreter, Python and dispatch"] = profiled_s - sum(spent.values())
+    scale = step_s / profiled_s
+    return {k: round(v * scale * 1e3, 2) for k, v in spent.items()} | {"step": round(step_s * 1e3, 2)}
 
 
 def main() -> None:

@@ -34,11 +34,12 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8), scale
 
 
-class Int8Linear:
+class Int8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W as int8 rows and a float32 scale each; x and y in the caller's dtype."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,    # [out, in] int8, [out] float32
                  bias: torch.Tensor | None = None) -> None:
+        super().__init__()
         torch.backends.quantized.engine = "fbgemm"
         self.q, self.scale = q, scale
         self.bias = None if bias is None else bias.to(torch.float32)
@@ -49,6 +50,7 @@ class Int8Linear:
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             weight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
         self.packed = torch.ops.quantized.linear_prepack(weight, None)
+        self.tiny = TINY                # an attribute: TorchScript reads no module globals
         self.range_row = torch.zeros(1, q.shape[1])
         self.range_row[0, :2] = torch.tensor([1.0, -1.0])
 
@@ -60,13 +62,14 @@ class Int8Linear:
         """The same linear restricted to some output rows (a draft vocabulary's slice of an LM head)."""
         return Int8Linear(self.q[index], self.scale[index], None if self.bias is None else self.bias[index])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
         # As few ops as possible: at one row each costs about as much as a tenth of the matmul.
         rows = x if x.dtype == torch.float32 else x.to(torch.float32)
-        peak = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(TINY)
+        peak = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(self.tiny)
         # reduce_range=False: full 8-bit activations (the 7-bit weights leave no saturation)
         y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.range_row]), self.packed, False)[:-1]
         y.mul_(peak)
-        if self.bias is not None:
-            y.add_(self.bias)
+        bias = self.bias
+        if bias is not None:
+            y.add_(bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

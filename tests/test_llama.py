@@ -6,7 +6,7 @@ import transformers
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
-from specserve.models.llama import LlamaModel
+from specserve.models.llama import DecoderStack, LlamaModel
 
 PROMPTS = [[1, 5, 7, 9, 11, 13, 2], [3, 4, 5], [8, 8, 8, 8, 8, 8, 8, 8, 8, 1]]
 
@@ -72,3 +72,30 @@ def test_aux_hidden_states_are_the_residual_stream_after_each_layer():
         ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     for mine, theirs in zip(aux, ref[1:3]):      # hidden_states[0] is the embedding output
         assert (mine - theirs[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("quantization,dtype",
+                         [("none", torch.float64), ("none", torch.float32), ("int8", torch.float32)])
+def test_scripted_layer_stack_equals_the_eager_layers_bit_for_bit(quantization, dtype):
+    """The layers run under TorchScript for speed; the interpreter must not change a single bit."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)).eval()
+    cfg = ModelConfig("qwen2", 97, 64, 96, 2, 4, 2, 16, 1e-6, 10000.0, 128, qkv_bias=True)
+    model = LlamaModel(cfg, hf.state_dict(), dtype, quantization=quantization)
+    assert isinstance(model.stack, torch.jit.ScriptModule)
+    outs = []
+    for stack in (model.stack, DecoderStack(model.layers)):
+        pool = KVPool(KVGeometry.of(cfg, torch.float64), 8, 4)
+        steps = [(SeqSpan([3, 1, 0], 0, 7), PROMPTS[0]), (SeqSpan([3, 1, 0], 7, 3), [4, 5, 6])]   # prefill, window
+        for span, ids in steps:
+            meta = AttentionMetadata.build([span], 4, pool.null_slot)
+            positions = torch.arange(span.start, span.start + span.num_new)
+            cos, sin = model.rope.tables(positions)
+            x, aux = stack(model.embed[torch.tensor(ids)], cos, sin, pool.k, pool.v, meta.slot_mapping,
+                           list(meta.chunks), [0])
+            outs.append((x, aux[0]))
+    half = len(outs) // 2
+    for (x, aux), (x_eager, aux_eager) in zip(outs[:half], outs[half:]):
+        assert torch.equal(x, x_eager) and torch.equal(aux, aux_eager)

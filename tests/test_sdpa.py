@@ -46,7 +46,7 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_
     q = torch.randn(total, heads, d, dtype=torch.float64)
     k = torch.randn(total, kv_heads, d, dtype=torch.float64)
     v = torch.randn(total, kv_heads, d, dtype=torch.float64)
-    out = paged_attention(q, k, v, 0, pool, meta, d ** -0.5)
+    out = paged_attention(q, k, v, pool.k[0], pool.v[0], meta.slot_mapping, list(meta.chunks), d ** -0.5)
     assert not out.isnan().any()
     off = 0
     for b, (cached, new, _) in enumerate(layout):
@@ -72,7 +72,8 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_in_the_pools_dtyp
         meta = AttentionMetadata.build([SeqSpan(pages, cached, new)], page_size, pool.null_slot)
         assert meta.chunks[0].first_slot == first_slot and (meta.chunks[0].mask is None) == (new == 1)
         q = torch.randn(new, heads, d)
-        out = paged_attention(q, k[cached:cached + new], v[cached:cached + new], 0, pool, meta, d ** -0.5)
+        out = paged_attention(q, k[cached:cached + new], v[cached:cached + new], pool.k[0], pool.v[0],
+                              meta.slot_mapping, list(meta.chunks), d ** -0.5)
         assert out.dtype == torch.float32
         ref = reference(q.double(), k[:cached + new].double(), v[:cached + new].double(), cached, True)
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)

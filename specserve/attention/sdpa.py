@@ -1,13 +1,15 @@
 """Reference attention over paged KV on the CPU: ragged queries (each sequence its own count and
-positions) packed into one padded SDPA call per layer. Prefill, decode and verify windows mix freely."""
-from __future__ import annotations
-
+positions) packed into one padded SDPA call per layer. Prefill, decode and verify windows mix freely.
+paged_attention and what it reads are TorchScript-compatible: llama.py scripts the layer stack."""
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-from specserve.kv_pages import KVPool
+# Decode steps, verify windows and short chunks take the grouped layout (a float64 decode step at a 4k context
+# ran ~1.7x faster in it than in SDPA's own GQA path); long prefills ran 5-20% slower in it.
+GROUPED_MAX_Q = 16
 
 
 @dataclass(frozen=True)
@@ -20,24 +22,24 @@ class SeqSpan:
     causal: bool = True   # block drafters run their block non-causally
 
 
-@dataclass(frozen=True)
-class AttentionChunk:
+class AttentionChunk(NamedTuple):
     """Consecutive sequences attended in one padded SDPA call; their tokens are rows
-    [token_start, token_start + num_tokens) of the forward."""
+    [token_start, token_start + num_tokens) of the forward. (A NamedTuple: TorchScript takes it.)"""
     token_start: int
     num_tokens: int
     gather_slots: torch.Tensor     # [batch, max_kv] slots read per sequence (padding → the zero page)
     query_slot: torch.Tensor       # [num_tokens] index of each token in the padded [batch * max_q] queries
-    mask: torch.Tensor | None      # [batch, 1, max_q, max_kv] True = may attend; None: every row sees every key
+    mask: Optional[torch.Tensor]   # [batch, 1, max_q, max_kv] True = may attend; None: every row sees every key
     batch: int
     max_q: int
+    grouped: bool                  # attend in _grouped_attention's layout rather than SDPA's own GQA path
     # A lone sequence whose K/V slots are consecutive (its pages were handed out in a row) is read in place
     # from this slot on, without gathering a copy: at a 4k context the copy cost more than the attention.
-    first_slot: int | None = None
+    first_slot: Optional[int] = None
 
     @staticmethod
     def build(spans: list[SeqSpan], token_start: int, page_size: int,
-              null_slot: int) -> tuple[AttentionChunk, list[torch.Tensor]]:
+              null_slot: int) -> tuple["AttentionChunk", list[torch.Tensor]]:
         """The chunk and each sequence's new-token slots."""
         batch = len(spans)
         max_q = max(s.num_new for s in spans)
@@ -66,7 +68,8 @@ class AttentionChunk:
                 first_slot = used[0] * page_size
             if spans[0].num_new == 1 or not spans[0].causal:
                 mask = None
-        chunk = AttentionChunk(token_start, num_tokens, gather, torch.cat(query_slot), mask, batch, max_q, first_slot)
+        chunk = AttentionChunk(token_start, num_tokens, gather, torch.cat(query_slot), mask, batch, max_q,
+                               max_q <= GROUPED_MAX_Q, first_slot)
         return chunk, slot_mapping
 
 
@@ -82,7 +85,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(spans: list[SeqSpan], page_size: int, null_slot: int,
-              chunk_kv_rows: int = CHUNK_KV_ROWS) -> AttentionMetadata:
+              chunk_kv_rows: int = CHUNK_KV_ROWS) -> "AttentionMetadata":
         groups: list[list[SeqSpan]] = [[]]
         widest = 0                          # longest K/V of the last group
         for s in spans:
@@ -101,36 +104,35 @@ class AttentionMetadata:
         return AttentionMetadata(torch.cat(slot_mapping), tuple(chunks))
 
 
-# Decode steps, verify windows and short chunks take the grouped layout (a float64 decode step at a 4k context
-# ran ~1.7x faster in it than in SDPA's own GQA path); long prefills ran 5-20% slower in it.
-GROUPED_MAX_Q = 16
 
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_pool: torch.Tensor, v_pool: torch.Tensor,   # one layer's [num_slots, kv_heads, head_dim]
+                    slot_mapping: torch.Tensor, chunks: list[AttentionChunk], scale: float) -> torch.Tensor:
     """Attention in the pool's dtype (a float64 pool makes a row's result independent of the rows beside it
     to float64 rounding). q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
     → [num_tokens, heads * head_dim] in q's dtype."""
-    kv_dtype = pool.geometry.dtype
-    pool.write(layer, meta.slot_mapping, k.to(kv_dtype), v.to(kv_dtype))
+    kv_dtype = k_pool.dtype
+    k_pool.index_copy_(0, slot_mapping, k.to(kv_dtype))
+    v_pool.index_copy_(0, slot_mapping, v.to(kv_dtype))
     q_kv = q.to(kv_dtype)
-    outs = [_attend_chunk(q_kv[c.token_start:c.token_start + c.num_tokens], layer, pool, c, scale)
-            for c in meta.chunks]
+    outs = [_attend_chunk(q_kv[c.token_start:c.token_start + c.num_tokens], k_pool, v_pool, c, scale)
+            for c in chunks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
 
 
 def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
-                  layer: int, pool: KVPool, chunk: AttentionChunk, scale: float) -> torch.Tensor:
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: AttentionChunk, scale: float) -> torch.Tensor:
     num_tokens, heads, head_dim = q.shape
-    kv_shape = (chunk.batch, -1, pool.geometry.num_kv_heads, head_dim)
-    if chunk.first_slot is not None:
-        span = slice(chunk.first_slot, chunk.first_slot + chunk.gather_slots.shape[1])
-        keys, values = pool.k[layer][span], pool.v[layer][span]
+    kv_shape = [chunk.batch, -1, k_pool.shape[1], head_dim]
+    first_slot = chunk.first_slot
+    if first_slot is not None:
+        keys = k_pool[first_slot:first_slot + chunk.gather_slots.shape[1]]
+        values = v_pool[first_slot:first_slot + chunk.gather_slots.shape[1]]
     else:
         # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
         flat = chunk.gather_slots.view(-1)
-        keys, values = pool.k[layer].index_select(0, flat), pool.v[layer].index_select(0, flat)
+        keys, values = k_pool.index_select(0, flat), v_pool.index_select(0, flat)
     keys = keys.view(kv_shape).transpose(1, 2)                   # [batch, kv_heads, max_kv, head_dim]
     values = values.view(kv_shape).transpose(1, 2)
     # Every sequence with max_q new tokens (decode steps, equal windows): the flat rows are the padded layout.
@@ -139,19 +141,19 @@ def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
         queries = q.view(chunk.batch, chunk.max_q, heads, head_dim)
     else:
         padded = q.new_zeros(chunk.batch * chunk.max_q, heads, head_dim)
-        padded[chunk.query_slot] = q
+        padded.index_copy_(0, chunk.query_slot, q)
         queries = padded.view(chunk.batch, chunk.max_q, heads, head_dim)
-    if chunk.max_q <= GROUPED_MAX_Q:
+    if chunk.grouped:
         out = _grouped_attention(queries, keys, values, chunk.mask, scale)
     else:
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=chunk.mask,
                                              scale=scale, enable_gqa=True)    # [batch, heads, max_q, head_dim]
         out = out.transpose(1, 2).reshape(chunk.batch * chunk.max_q, heads * head_dim)
-    return out if unpadded else out[chunk.query_slot]
+    return out if unpadded else out.index_select(0, chunk.query_slot)
 
 
 def _grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                       mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Several queries per sequence: the query heads sharing a K/V head become rows of one query
     block (heads × positions). SDPA's CPU kernel ran ~2x slower per call once a sequence had more than
     one query row (4 sequences × 2 rows: 280 us, against 150 us grouped and 140 us for 1 row).

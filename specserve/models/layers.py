@@ -1,6 +1,7 @@
 """Building blocks shared by the target model and the drafters: norms, rotary embedding, and the linear
-layers: fp32 (oneDNN-prepacked weights; see Linear for why) or int8 (quantization.py)."""
-from __future__ import annotations
+layers: fp32 (oneDNN-prepacked weights; see Linear for why) or int8 (quantization.py). Everything the decoder
+layers call is TorchScript-compatible: llama.py scripts the layer stack."""
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ from specserve.quantization import Int8Linear
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., hidden]; the statistic is taken in float32 at least, as the reference models do
     dtype = x.dtype
-    if dtype in (torch.float32, torch.float64) and weight.dtype == dtype:
+    if (dtype == torch.float32 or dtype == torch.float64) and weight.dtype == dtype:
         return F.rms_norm(x, weight.shape, weight, eps)     # one fused kernel instead of six ops
     xf = x if dtype == torch.float64 else x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -46,35 +47,40 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
-class Linear:
+class Linear(torch.nn.Module):
     """y = x W^T (+ b) for a weight stored [out, in]. In fp32 the weight is prepacked for oneDNN:
     MKL's sgemm is slow for the 4–64 rows of verify windows and batches (a SmolLM2 forward over 9
     rows cost 2.2x one row with it, 1.25x prepacked). `plain_single_row` keeps an [in, out] copy too
     for layers where one row is faster through x @ W (the wide vocabulary projection)."""
+    packed: Optional[torch.Tensor]     # declared for TorchScript, which would type a None attribute as NoneType
+    plain: Optional[torch.Tensor]
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  plain_single_row: bool = False) -> None:
+        super().__init__()
         self.bias = bias
         self.num_weights = weight.numel()
-        self.packed = None
-        self.plain = None
+        packed: Optional[torch.Tensor] = None
         if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
-        if self.packed is None or plain_single_row:
-            self.plain = transposed(weight)                 # [in, out]
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+        self.packed = packed
+        self.plain = transposed(weight) if packed is None or plain_single_row else None   # [in, out]
 
-    def rows(self, index: torch.Tensor) -> Linear:
+    def rows(self, index: torch.Tensor) -> "Linear":
         """The same linear restricted to some output rows (a draft vocabulary's slice of an LM head)."""
         if self.plain is None:
             raise ValueError("this linear keeps no plain copy of its weight to take rows from")
         bias = None if self.bias is None else self.bias[index]
         return Linear(self.plain[:, index].t(), bias, plain_single_row=True)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
-        if self.packed is None or (self.plain is not None and x.shape[0] <= 2):
-            y = x @ self.plain
-            return y if self.bias is None else y + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
+        plain, packed, bias = self.plain, self.packed, self.bias
+        if plain is not None and (packed is None or x.shape[0] <= 2):
+            y = x @ plain
+            return y if bias is None else y + bias
+        assert packed is not None
+        no_scalars = torch.jit.annotate(list[Optional[Union[int, float, complex]]], [])   # the op's Scalar?[]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none",

@@ -2,28 +2,81 @@
 Fused QKV and gate/up projections keep the op count low: at batch 1 on a CPU, overhead is half the step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.sdpa import AttentionMetadata, paged_attention
+from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, paged_attention
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVPool
 from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
 from specserve.quantization import Int8Linear
 
 
-@dataclass
-class DecoderLayer:
-    input_norm: torch.Tensor        # [hidden]
-    qkv: Linear | Int8Linear        # hidden → (heads + 2 * kv_heads) * head_dim, bias for Qwen2
-    q_norm: torch.Tensor | None     # [head_dim]
-    k_norm: torch.Tensor | None
-    o: Linear | Int8Linear          # heads * head_dim → hidden
-    post_norm: torch.Tensor         # [hidden]
-    gate_up: Linear | Int8Linear    # hidden → 2 * intermediate
-    down: Linear | Int8Linear       # intermediate → hidden
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, input_norm: torch.Tensor, qkv: Linear | Int8Linear,
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, o: Linear | Int8Linear,
+                 post_norm: torch.Tensor, gate_up: Linear | Int8Linear, down: Linear | Int8Linear) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim ** -0.5
+        self.input_norm = input_norm    # [hidden]
+        self.qkv = qkv                  # hidden → (heads + 2 * kv_heads) * head_dim, bias for Qwen2
+        self.q_norm = q_norm            # [head_dim], Qwen3
+        self.k_norm = k_norm
+        self.o = o                      # heads * head_dim → hidden
+        self.post_norm = post_norm      # [hidden]
+        self.gate_up = gate_up          # hidden → 2 * intermediate
+        self.down = down                # intermediate → hidden
+
+    def forward(self, x: torch.Tensor,                          # [num_tokens, hidden]
+                cos: torch.Tensor, sin: torch.Tensor,           # [num_tokens, 1, head_dim]
+                k_pool: torch.Tensor, v_pool: torch.Tensor,     # [num_slots, kv_heads, head_dim], this layer's
+                slot_mapping: torch.Tensor, chunks: list[AttentionChunk]) -> torch.Tensor:
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
+        # Q and K heads side by side: one rotary call for both (at batch 8 the small ops are a third of the step)
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(-1, kv_heads, head_dim)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :heads], q_norm, self.eps), rms_norm(qk[:, heads:], k_norm, self.eps)],
+                           dim=1)
+        qk = apply_rope(qk, cos, sin)
+        x = x + self.o(paged_attention(qk[:, :heads], qk[:, heads:], v, k_pool, v_pool, slot_mapping, chunks,
+                                       self.scale))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class DecoderStack(torch.nn.Module):
+    """The decoder layers, scripted with TorchScript: at batch 1 a layer's ~60 small ops cost more than its
+    weights, and the interpreter runs them ~1.5x faster than Python. (torch.compile's inductor, with the int8
+    op as an extern call, made a SmolLM2 layer slower here; TorchScript is deprecated but kept by the pinned
+    torch.)"""
+
+    def __init__(self, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_pool: torch.Tensor, v_pool: torch.Tensor,    # [layers, num_slots, kv_heads, head_dim]
+                slot_mapping: torch.Tensor, chunks: list[AttentionChunk],
+                aux_layer_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_pool[i], v_pool[i], slot_mapping, chunks)
+            if i in aux_layer_ids:
+                aux.append(x)
+        return x, aux
+
+
+def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated", category=DeprecationWarning)
+        return torch.jit.script(stack)
 
 
 class LlamaModel:
@@ -52,6 +105,7 @@ class LlamaModel:
             qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None)
             self.layers.append(DecoderLayer(
+                config,
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv=make_linear(qkv, bias, quantization),
                 q_norm=w(p + "self_attn.q_norm.weight") if config.qk_norm else None,
@@ -62,8 +116,8 @@ class LlamaModel:
                                     quantization=quantization),
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
+        self.stack = scripted(DecoderStack(self.layers))
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
-        self.scale = config.head_dim ** -0.5
 
     def row_weights(self) -> int:
         """Weights one token's row multiplies through in a forward, the vocabulary projection included."""
@@ -80,29 +134,9 @@ class LlamaModel:
                        aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` from input vectors x: [num_tokens, hidden] instead of token ids (EAGLE's inputs
         mix the token embedding with a feature)."""
-        c = self.config
         cos, sin = self.rope.tables(positions)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        aux = []
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h)
-            # Q and K heads side by side: one rotary call for both (at batch 8 the small ops are a third
-            # of the step)
-            qk = qkv[:, :q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :c.num_heads], layer.q_norm, c.rms_norm_eps),
-                                rms_norm(qk[:, c.num_heads:], layer.k_norm, c.rms_norm_eps)], dim=1)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            x = x + layer.o(paged_attention(q, k, v, i, pool, meta, self.scale))
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-            if i in aux_layer_ids:
-                aux.append(x)
-        return rms_norm(x, self.final_norm, c.rms_norm_eps), aux
+        x, aux = self.stack(x, cos, sin, pool.k, pool.v, meta.slot_mapping, list(meta.chunks), list(aux_layer_ids))
+        return rms_norm(x, self.final_norm, self.config.rms_norm_eps), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] → [num_rows, vocab]
