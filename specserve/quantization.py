@@ -65,7 +65,8 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
         # As few ops as possible: at one row each costs about as much as a tenth of the matmul.
         rows = x if x.dtype == torch.float32 else x.to(torch.float32)
-        peak = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(self.tiny)
+        # abs().amax(): vector_norm(inf) gives the same bits but took 43 us on 8 rows here, against 3
+        peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(self.tiny)
         # reduce_range=False: full 8-bit activations (the 7-bit weights leave no saturation)
         y = torch.ops.quantized.linear_dynamic(torch.cat([rows / peak, self.range_row]), self.packed, False)[:-1]
         y.mul_(peak)
