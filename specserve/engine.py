@@ -77,6 +77,9 @@ class Engine:
 
         cache = config.cache
         kv_dtype = attention_dtype(cache.kv_cache_dtype, quantization, dtype)
+        start = time.perf_counter()
+        self.model.warm_up(kv_dtype)
+        log.info("warmed up the scripted layer stack in %.1f s", time.perf_counter() - start)
         target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
         spec = config.spec
         if is_embedded(ckpt.source):

@@ -7,9 +7,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, paged_attention
+from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, SeqSpan, paged_attention
 from specserve.config import ModelConfig
-from specserve.kv_pages import KVPool
+from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
 from specserve.quantization import Int8Linear
 
@@ -123,6 +123,16 @@ class LlamaModel:
         """Weights one token's row multiplies through in a forward, the vocabulary projection included."""
         return self.head.num_weights + sum(layer.qkv.num_weights + layer.o.num_weights + layer.gate_up.num_weights
                                            + layer.down.num_weights for layer in self.layers)
+
+    @torch.inference_mode()
+    def warm_up(self, kv_dtype: torch.dtype) -> None:
+        """TorchScript profiles and optimises the stack on its first two calls (the first took ~1 s for SmolLM2's
+        30 layers): made here, a prefill and a decode step on a scratch page, so that no request waits for it."""
+        pool = KVPool(KVGeometry.of(self.config, kv_dtype), num_pages=1, page_size=4)
+        for start, num_new in ((0, 2), (2, 1)):
+            meta = AttentionMetadata.build([SeqSpan([0], start, num_new)], 4, pool.null_slot)
+            positions = torch.arange(start, start + num_new)
+            self.forward(torch.zeros(num_new, dtype=torch.long), positions, meta, pool)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
