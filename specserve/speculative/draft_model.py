@@ -76,6 +76,7 @@ class DraftModelProposer:
             draft.config.max_position_embeddings, target.config.max_position_embeddings))
         model = ARCHITECTURES[config.architecture](config, draft.weights, target.dtype,
                                                    quantization=target.model.quantization)
+        model.warm_up(model.dtype)     # its KV pool's dtype (kv_geometry below)
         return cls(model, spec.num_draft_tokens)
 
     def attach_pool(self, pool: KVPool) -> None:
