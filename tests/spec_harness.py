@@ -94,6 +94,7 @@ def replay_traffic(engine: Engine, ops, poison: bool = False, max_drain_steps: i
     assert not engine.has_unfinished
     assert_pages_released(engine)
     assert not getattr(engine.proposer, "num_valid", {})
+    assert not getattr(engine.proposer, "unwritten", {})
 
 
 def assert_same_as_plain(spec: Run, plain: Run) -> None:
@@ -353,6 +354,7 @@ def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Te
     finish = engine.scheduler.finish
 
     def capturing(req: Request, reason: str) -> None:
+        engine.proposer.flush_context([req])       # the context of the tokens committed since the last block
         n = engine.proposer.context_length(req)
         if req.pages and n:
             slots = torch.tensor(slots_for(req.pages, 0, n, engine.draft_pool.page_size))

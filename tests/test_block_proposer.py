@@ -208,6 +208,33 @@ def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path
     assert probes == [every * 2 ** k for k in range(len(probes))] and every * 2 ** len(probes) > steps
 
 
+def test_draft_context_is_written_when_a_block_runs(tiny_llama, drafters, tmp_path):
+    """While the planner skips blocks, committed tokens keep their target features and no context K/V is
+    written; when a request's block runs, everything before its anchor is written first."""
+    CostTable((1, 64), (1.0, 64.0)).save(tmp_path / "dear.json")
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True,
+                                                   top_logprobs=2)
+    engine = make_engine(tiny_llama, **MATRIX_ENGINE, max_prefill_chunk=64, speculative_algorithm="DSPARK",
+                         speculative_draft_model_path=drafters["agree"],
+                         speculative_dspark_cost_table_path=str(tmp_path / "dear.json"))
+    proposer, kept_rows, blocks = engine.proposer, [], []
+    run_block, commit = proposer._run_block, proposer.commit
+
+    def checked_block(jobs):
+        assert all(job.request.request_id not in proposer.unwritten for job in jobs)
+        blocks.append(len(jobs))
+        return run_block(jobs)
+
+    def counting_commit(plan, result, out):
+        commit(plan, result, out)
+        kept_rows.append(sum(len(p) for parts in proposer.unwritten.values() for _, p, _ in parts))
+
+    proposer._run_block, proposer.commit = checked_block, counting_commit
+    assert_same_as_plain(drive(engine, prompts, params), run(tiny_llama, prompts, params, **MATRIX_ENGINE))
+    assert blocks and max(kept_rows) >= 4 * BudgetPlanner.PROBE_EVERY
+    assert not proposer.unwritten, "released requests keep nothing"
+
+
 def test_blocks_that_cost_more_than_they_win_are_skipped(tiny_llama, drafters):
     """The sure drafter and cheap verify rows: free blocks run in most steps; blocks whose rows cost ten
     target rows each run only before a request has a forecast and when probing. Outputs stay plain."""
