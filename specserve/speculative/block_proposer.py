@@ -3,7 +3,8 @@
 The draft context holds committed tokens only: `commit` keeps the target's hidden states of the tokens a step
 committed (the fed tokens and the accepted drafts), and their context K/V is written just before the
 request's next block runs, in one batch (the budget planner skips most blocks on text the drafter cannot
-guess, and a context write per step cost ~1.4 ms of a ~17 ms SmolLM2 step).
+guess, and a context write per step cost ~1.4 ms of a ~17 ms SmolLM2 step). A prompt's context is written
+when it is prefilled, and the prefix cache keeps only pages whose context is written.
 A request drafts when its context reaches its anchor (the last token, whose target KV does not exist
 yet): then one batched non-causal forward runs every drafting request's block of gamma rows at
 positions anchor .. anchor+gamma-1. The block writes its K/V into those slots of the draft pool; they
@@ -51,7 +52,7 @@ class BlockDrafterProposer(CommittedContext):
         self.aux_layer_ids = drafter.config.target_layer_ids
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
-        self.num_valid: dict[str, int] = {}   # request id → leading positions whose draft context is written or kept
+        self.num_valid: dict[str, int] = {}   # request id → leading positions whose context is written or kept
         # request id → committed tokens whose context is not written yet: (aux rows [n, features], positions, slots)
         self.unwritten: dict[str, list[tuple[torch.Tensor, list[int], list[int]]]] = {}
         self.pending: dict[str, list[float]] = {}   # request id → confidences of the block drafts verified now
@@ -88,6 +89,17 @@ class BlockDrafterProposer(CommittedContext):
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
+
+    def context_length(self, req: Request) -> int:
+        """Leading positions whose draft context is written (what the prefix cache may keep)."""
+        return self.accounted_length(req) - sum(len(p) for _, p, _ in self.unwritten.get(req.request_id, ()))
+
+    def accounted_length(self, req: Request) -> int:
+        """Leading positions whose draft context is written or kept to be written."""
+        return super().context_length(req)
+
+    def ready(self, req: Request) -> bool:
+        return self.accounted_length(req) == req.num_computed_tokens == req.num_tokens - 1
 
     def draft_slots(self, req: Request) -> int:
         # With the n-gram option a request drafts even before its block may run.
@@ -200,7 +212,7 @@ class BlockDrafterProposer(CommittedContext):
             req = s.request
             # A finished request's pages are gone; a gap in the context would never fill, so such a
             # request stops drafting rather than attend to unwritten KV.
-            if req.finished or self.context_length(req) != s.start:
+            if req.finished or self.accounted_length(req) != s.start:
                 continue
             end = req.num_computed_tokens
             kept.append((req.request_id, len(rows), list(range(s.start, end)),
@@ -211,6 +223,8 @@ class BlockDrafterProposer(CommittedContext):
             aux = torch.cat([h[rows] for h in out.aux_hidden], dim=-1)
             for rid, first, positions, slots in kept:
                 self.unwritten.setdefault(rid, []).append((aux[first:first + len(positions)], positions, slots))
+        # A prompt's context is written at once: the prefix cache shares a prompt only with its draft context.
+        self.flush_context([s.request for s in plan.scheduled if s.start < len(s.request.prompt_token_ids)])
 
     def flush_context(self, requests: list[Request]) -> None:
         """Write the draft context K/V the requests' kept committed tokens still lack, in one batch."""
