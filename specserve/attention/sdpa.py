@@ -104,7 +104,6 @@ class AttentionMetadata:
         return AttentionMetadata(torch.cat(slot_mapping), tuple(chunks))
 
 
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor,   # one layer's [num_slots, kv_heads, head_dim]
                     slot_mapping: torch.Tensor, chunks: list[AttentionChunk], scale: float) -> torch.Tensor:
