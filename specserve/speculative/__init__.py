@@ -85,16 +85,21 @@ class NoProposer:
 
 class CommittedContext:
     """For drafters whose context is written at commit for committed tokens only (EAGLE, DFLASH, DSPARK):
-    `num_valid` counts each request's leading positions with written context; a request new to the
-    proposer starts after its cached prefix, whose context the prefix cache kept."""
+    `num_valid` counts each request's leading positions with written context (or, for a proposer that writes
+    lazily, context kept to be written; its context_length then counts the written ones only); a request new
+    to the proposer starts after its cached prefix, whose context the prefix cache kept."""
     num_valid: dict[str, int]
 
-    def context_length(self, req: Request) -> int:
+    def accounted_length(self, req: Request) -> int:
+        """Leading positions whose context is written, or kept to be written before the next draft reads it."""
         return self.num_valid.get(req.request_id, req.num_cached_tokens)
+
+    def context_length(self, req: Request) -> int:
+        return self.accounted_length(req)
 
     def ready(self, req: Request) -> bool:
         """Whether the context holds every position before the anchor (the last token, not yet fed)."""
-        return self.context_length(req) == req.num_computed_tokens == req.num_tokens - 1
+        return self.accounted_length(req) == req.num_computed_tokens == req.num_tokens - 1
 
 
 # algorithm → "module:Class"; each class has

@@ -94,13 +94,6 @@ class BlockDrafterProposer(CommittedContext):
         """Leading positions whose draft context is written (what the prefix cache may keep)."""
         return self.accounted_length(req) - sum(len(p) for _, p, _ in self.unwritten.get(req.request_id, ()))
 
-    def accounted_length(self, req: Request) -> int:
-        """Leading positions whose draft context is written or kept to be written."""
-        return super().context_length(req)
-
-    def ready(self, req: Request) -> bool:
-        return self.accounted_length(req) == req.num_computed_tokens == req.num_tokens - 1
-
     def draft_slots(self, req: Request) -> int:
         # With the n-gram option a request drafts even before its block may run.
         return self.gamma if self.hybrid is not None or self.ready(req) else 0
