@@ -126,8 +126,8 @@ def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
     kv_shape = [chunk.batch, -1, k_pool.shape[1], head_dim]
     first_slot = chunk.first_slot
     if first_slot is not None:
-        keys = k_pool[first_slot:first_slot + chunk.gather_slots.shape[1]]
-        values = v_pool[first_slot:first_slot + chunk.gather_slots.shape[1]]
+        end = first_slot + chunk.gather_slots.shape[1]
+        keys, values = k_pool[first_slot:end], v_pool[first_slot:end]
     else:
         # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
         flat = chunk.gather_slots.view(-1)
