@@ -25,8 +25,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
-from specserve.engine import served_quantization  # noqa: E402
 from specserve.loader import load_checkpoint  # noqa: E402
+from specserve.quantization import served_quantization  # noqa: E402
 from specserve.train.data import build_token_map, load_examples  # noqa: E402
 from specserve.train.features import FeatureCache, TargetPass  # noqa: E402
 from specserve.train.trainer import (  # noqa: E402

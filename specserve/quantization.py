@@ -20,12 +20,24 @@ than the weights' last bit).
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.loader import LoadedCheckpoint
 
 QUANTIZATIONS = ("none", "int8")
 TINY = torch.finfo(torch.float32).tiny
 WEIGHT_MAX = 63            # 7-bit weights: see the module docstring
+
+
+def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
+    """--quantization: int8 by default for weights stored quantized (a GGUF's Q4_*, Q8_0, K-quants), else none."""
+    quantization = requested or ("int8" if ckpt.quantized else "none")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return quantization
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,12 @@ class DecoderLayer(torch.nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor,           # [num_tokens, 1, head_dim]
                 k_pool: torch.Tensor, v_pool: torch.Tensor,     # [num_slots, kv_heads, head_dim], this layer's
                 slot_mapping: torch.Tensor, chunks: list[AttentionChunk]) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin, k_pool, v_pool, slot_mapping, chunks)
+        return x + self.mlp(x)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                  v_pool: torch.Tensor, slot_mapping: torch.Tensor, chunks: list[AttentionChunk]) -> torch.Tensor:
+        """The attention block's contribution to the residual stream (a partial sum under tensor parallelism)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
         # Q and K heads side by side: one rotary call for both (at batch 8 the small ops are a third of the step)
@@ -45,10 +51,13 @@ class DecoderLayer(torch.nn.Module):
             qk = torch.cat([rms_norm(qk[:, :heads], q_norm, self.eps), rms_norm(qk[:, heads:], k_norm, self.eps)],
                            dim=1)
         qk = apply_rope(qk, cos, sin)
-        x = x + self.o(paged_attention(qk[:, :heads], qk[:, heads:], v, k_pool, v_pool, slot_mapping, chunks,
-                                       self.scale))
+        return self.o(paged_attention(qk[:, :heads], qk[:, heads:], v, k_pool, v_pool, slot_mapping, chunks,
+                                      self.scale))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block's contribution to the residual stream (a partial sum under tensor parallelism)."""
         gate, up = self.gate_up(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderStack(torch.nn.Module):
@@ -73,6 +82,18 @@ class DecoderStack(torch.nn.Module):
         return x, aux
 
 
+@torch.inference_mode()
+def warm_up(model: LlamaModel, kv_dtype: torch.dtype) -> None:
+    """TorchScript profiles and optimises the stack on its first two calls (the first took ~1 s for SmolLM2's
+    30 layers): made here, a prefill and a decode step on a scratch page, so that no request waits for it.
+    (A TensorParallelModel, which has the same forward and kv_geometry, passes itself too.)"""
+    pool = KVPool(model.kv_geometry(kv_dtype), num_pages=1, page_size=4)
+    for start, num_new in ((0, 2), (2, 1)):
+        meta = AttentionMetadata.build([SeqSpan([0], start, num_new)], 4, pool.null_slot)
+        positions = torch.arange(start, start + num_new)
+        model.forward(torch.zeros(num_new, dtype=torch.long), positions, meta, pool)
+
+
 def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated", category=DeprecationWarning)
@@ -81,12 +102,15 @@ def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none") -> None:
+                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none",
+                 script: bool = True) -> None:
         """`shared_head`: use another model's vocabulary projection (drafters share the target's).
-        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear."""
+        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear.
+        `script`: compile the layer stack (a tensor-parallel shard runs its layers one by one instead)."""
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
+        self.tp_size = 1
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -116,7 +140,7 @@ class LlamaModel:
                                     quantization=quantization),
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
-        self.stack = scripted(DecoderStack(self.layers))
+        self.stack = scripted(DecoderStack(self.layers)) if script else None
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
 
     def row_weights(self) -> int:
@@ -124,15 +148,11 @@ class LlamaModel:
         return self.head.num_weights + sum(layer.qkv.num_weights + layer.o.num_weights + layer.gate_up.num_weights
                                            + layer.down.num_weights for layer in self.layers)
 
-    @torch.inference_mode()
+    def kv_geometry(self, dtype: torch.dtype) -> KVGeometry:
+        return KVGeometry.of(self.config, dtype)
+
     def warm_up(self, kv_dtype: torch.dtype) -> None:
-        """TorchScript profiles and optimises the stack on its first two calls (the first took ~1 s for SmolLM2's
-        30 layers): made here, a prefill and a decode step on a scratch page, so that no request waits for it."""
-        pool = KVPool(KVGeometry.of(self.config, kv_dtype), num_pages=1, page_size=4)
-        for start, num_new in ((0, 2), (2, 1)):
-            meta = AttentionMetadata.build([SeqSpan([0], start, num_new)], 4, pool.null_slot)
-            positions = torch.arange(start, start + num_new)
-            self.forward(torch.zeros(num_new, dtype=torch.long), positions, meta, pool)
+        warm_up(self, kv_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 
 from specserve.datasets import jsonl_prompts, load_workload, messages, select_prompts, sharegpt_path, sharegpt_prompts
-from specserve.engine import LLM, served_quantization
+from specserve.engine import LLM
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.models import DTYPES
 from specserve.models.block_drafter import BlockDrafterCheckpoint
 from specserve.models.eagle import EagleCheckpoint
-from specserve.quantization import QUANTIZATIONS
+from specserve.quantization import QUANTIZATIONS, served_quantization
 from specserve.train.data import Example, build_token_map, is_regenerated, load_examples, regenerate
+from specserve.train.features import FeatureCache, TargetPass
 from specserve.train.losses import LossWeights
 from specserve.train.report import measure_acceptance, model_card
-from specserve.train.features import FeatureCache, TargetPass
 from specserve.train.trainer import (
     DrafterTrainer,
     TrainConfig,
