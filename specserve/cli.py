@@ -59,17 +59,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
                             ignore_eos=args.ignore_eos, grammar=output_grammar(args))
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
-    logging.info("model loaded in %.2f s", time.perf_counter() - start)
-    engine = llm.engine
-    speculative = engine.config.spec.algorithm.upper() != "NONE"
-    ids = [engine.add_request(p, params, chat=args.chat) for p in args.prompt]
-    start = time.perf_counter()
-    finals = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = (out, time.perf_counter() - start)
+    with LLM(**engine_kwargs(args)) as llm:
+        logging.info("model loaded in %.2f s", time.perf_counter() - start)
+        engine = llm.engine
+        speculative = engine.config.spec.algorithm.upper() != "NONE"
+        ids = [engine.add_request(p, params, chat=args.chat) for p in args.prompt]
+        start = time.perf_counter()
+        finals = {}
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = (out, time.perf_counter() - start)
     for rid in ids:
         out, elapsed = finals[rid]
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -104,10 +104,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.drafters import with_shipped_drafter
     from specserve.server.app import serve
+    from specserve.server.replicas import ReplicaError
 
-    return serve(with_shipped_drafter(engine_kwargs(args)), host=args.host, port=args.port,
-                 max_queued_requests=args.max_queued_requests, api_key=args.api_key,
-                 served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout)
+    try:
+        return serve(with_shipped_drafter(engine_kwargs(args)), host=args.host, port=args.port,
+                     max_queued_requests=args.max_queued_requests, api_key=args.api_key,
+                     served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout)
+    except ReplicaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 # ---- fetch-model, profile -------------------------------------------------------------------------
@@ -212,11 +217,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def run_node(args: argparse.Namespace) -> int:
+    """--node-rank > 0: this machine runs its tensor-parallel ranks for node 0's engine, until it stops them."""
+    from specserve.config import engine_config
+    from specserve.models import DTYPES
+    from specserve.models.tensor_parallel import serve_node
+
+    config = engine_config(**engine_kwargs(args))
+    serve_node(config.parallel, config.model_path, DTYPES[config.dtype], config.quantization, config.num_threads)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        return args.handler(args)
+        return run_node(args) if getattr(args, "node_rank", 0) else args.handler(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -107,6 +107,23 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = field(default=1, metadata=flag(
+        "--tp-size", "--tp", "--tensor-parallel-size",
+        help="tensor-parallel ranks (processes, torch.distributed): attention heads, MLP columns, the vocabulary "
+             "and the KV cache split over them; must divide the KV heads"))
+    dp_size: int = field(default=1, metadata=flag(
+        "--dp-size", "--dp", "--data-parallel-size",
+        help="serve: independent engine replicas behind the one HTTP front, each request routed to the one with "
+             "the fewest running and queued requests"))
+    nnodes: int = field(default=1, metadata=flag("--nnodes", help="machines the tensor-parallel ranks span"))
+    node_rank: int = field(default=0, metadata=flag(
+        "--node-rank", help="this machine's index among --nnodes; 0 runs the engine, others run ranks only"))
+    dist_init_addr: str | None = field(default=None, metadata=flag(
+        "--dist-init-addr", help="HOST:PORT of node 0 where the ranks meet (default: a free local port, one node)"))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = field(default=None, metadata=flag(
         "--model-path", help="GGUF file, HF folder or fetch-model name (default: embedded SmolLM2-135M-Instruct)"))
@@ -121,11 +138,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # Engine keyword arguments are flat, as on the command line: a section's field keeps its name, SpecConfig's
 # take the prefix `speculative_`.
-SECTIONS = {"cache": (CacheConfig, ""), "scheduler": (SchedulerConfig, ""), "spec": (SpecConfig, "speculative_")}
+SECTIONS = {"cache": (CacheConfig, ""), "scheduler": (SchedulerConfig, ""), "spec": (SpecConfig, "speculative_"),
+            "parallel": (ParallelConfig, "")}
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ from specserve.config import EngineConfig, engine_config
 from specserve.detokenizer import find_stop
 from specserve.drafters import with_shipped_drafter_path
 from specserve.grammar import GrammarCompiler
-from specserve.kv_pages import KVGeometry, KVPool, PageAllocator, log_pool, split_pages
+from specserve.kv_pages import KVPool, PageAllocator, log_pool, split_pages
 from specserve.loader import LoadedCheckpoint, is_embedded, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.models import ARCHITECTURES, DTYPES
-from specserve.quantization import QUANTIZATIONS
+from specserve.models.tensor_parallel import TensorParallelModel
+from specserve.quantization import served_quantization
 from specserve.radix_cache import RadixCache
 from specserve.runner import ForwardOutput, ModelRunner
 from specserve.scheduler import Scheduler
@@ -36,14 +37,6 @@ from specserve.speculative.verify import verify
 from specserve.types import Proposal, Request, RequestOutput, SamplingParams, SpecStats, StepPlan, VerifyResult
 
 log = logging.getLogger(__name__)
-
-
-def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
-    """--quantization: int8 by default for weights stored quantized (a GGUF's Q4_*, Q8_0, K-quants), else none."""
-    quantization = requested or ("int8" if ckpt.quantized else "none")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    return quantization
 
 
 def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
@@ -72,21 +65,27 @@ class Engine:
         quantization = served_quantization(config.quantization, ckpt)
         log.info("quantization: %s%s", quantization, "" if config.quantization else
                  f" (the default for {'quantized' if ckpt.quantized else 'unquantized'} weights)")
-        self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype,
-                                                             quantization=quantization)
+        if config.parallel.dp_size != 1:
+            raise ValueError(f"--dp-size {config.parallel.dp_size}: an engine is one replica; `specserve serve` "
+                             "runs replicas behind its HTTP front")
+        if config.parallel.tp_size > 1:
+            self.model = TensorParallelModel(ckpt, dtype, quantization, config.parallel, config.num_threads)
+        else:
+            self.model = ARCHITECTURES[ckpt.config.architecture](ckpt.config, ckpt.weights, dtype,
+                                                                 quantization=quantization)
 
         cache = config.cache
         kv_dtype = attention_dtype(cache.kv_cache_dtype, quantization, dtype)
         start = time.perf_counter()
         self.model.warm_up(kv_dtype)
-        log.info("warmed up the scripted layer stack in %.1f s", time.perf_counter() - start)
+        log.info("warmed up the target (its first prefill and decode step) in %.1f s", time.perf_counter() - start)
         target = TargetInfo(self.model, ckpt.config, self.tokenizer, dtype, ckpt.source, cache.page_size, kv_dtype)
         spec = config.spec
         if is_embedded(ckpt.source):
             spec = with_shipped_drafter_path(spec)      # the embedded target's DSPARK drafter ships with it
         self.proposer = build_proposer(spec, target, draft_checkpoint)
 
-        geometries = [KVGeometry.of(ckpt.config, kv_dtype)]
+        geometries = [self.model.kv_geometry(kv_dtype)]
         if self.proposer.kv_geometry is not None:
             geometries.append(self.proposer.kv_geometry)
         num_pages = cache.num_pages or split_pages(cache.memory_bytes, cache.page_size, geometries)
@@ -171,6 +170,11 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (safe to call twice)."""
+        if isinstance(self.model, TensorParallelModel):
+            self.model.close()
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -296,6 +300,16 @@ class LLM:
                  draft_checkpoint: LoadedCheckpoint | None = None, **engine_args) -> None:
         self.engine = Engine(engine_config(model_path, **engine_args), checkpoint, draft_checkpoint)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any; `with LLM(...) as llm:` does it on leaving."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, chat: bool = False,

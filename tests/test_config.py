@@ -11,6 +11,7 @@ from specserve.config import (
     ENGINE_FLAGS,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpecConfig,
     add_engine_args,
@@ -30,7 +31,7 @@ def test_no_flags_give_the_default_config():
 
 
 def test_every_flagged_field_has_one_flag_with_its_type_and_default():
-    flagged = {f.name for cls in (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)
+    flagged = {f.name for cls in (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig, ParallelConfig)
                for f in dataclasses.fields(cls) if "flags" in f.metadata}
     assert len(ENGINE_FLAGS) == len(flagged)
     names = [name for fl in ENGINE_FLAGS for name in fl.flags]
@@ -40,6 +41,8 @@ def test_every_flagged_field_has_one_flag_with_its_type_and_default():
     assert by_flag["--max-model-len"].type is int and by_flag["--max-model-len"].default is None
     assert by_flag["--speculative-dspark-confidence-threshold"].type is float
     assert by_flag["--speculative-ngram-hybrid"].type is bool
+    assert by_flag["--tp-size"].flags == ("--tp-size", "--tp", "--tensor-parallel-size")
+    assert by_flag["--dist-init-addr"].type is str and by_flag["--dist-init-addr"].default is None
 
 
 def test_flags_and_their_aliases_reach_the_config():
@@ -48,6 +51,9 @@ def test_flags_and_their_aliases_reach_the_config():
                                                   "--kv-cache-memory", "4096", "--disable-radix-cache")))
         assert (cfg.spec.block_size, cfg.spec.ngram_max, cfg.num_threads, cfg.cache.memory_bytes,
                 cfg.cache.disable_radix_cache) == (5, 6, 2, 4096, True)
+    for tp_flag in ("--tp-size", "--tp", "--tensor-parallel-size"):
+        cfg = engine_config(**engine_kwargs(parse(tp_flag, "3", "--dp", "2", "--dist-init-addr", "10.0.0.1:5000")))
+        assert cfg.parallel == ParallelConfig(tp_size=3, dp_size=2, dist_init_addr="10.0.0.1:5000")
 
 
 def test_a_subset_of_flags():

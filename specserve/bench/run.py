@@ -242,6 +242,7 @@ def run_bench(args: argparse.Namespace) -> int:
         warm_up = chat_token_ids(llm.tokenizer, messages(next(iter(workloads.values()))[0], []))
         llm.generate([warm_up], SamplingParams(max_new_tokens=4, temperature=0.0))   # first-call costs untimed
         cells[algorithm] = run_algorithm(llm, algorithm, workloads, params, args.batch_size)
+        llm.close()
         del llm            # free this target and drafter before the next algorithm loads its own
         gc.collect()
 

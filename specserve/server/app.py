@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI endpoints over the AsyncEngine, OpenAI-style errors,
-bearer-token auth, Prometheus metrics, and a SIGTERM that drains in-flight requests and exits 0.
+bearer-token auth, Prometheus metrics, and a SIGTERM that drains in-flight requests and exits 0. With
+--dp-size N it fronts N engine replicas (replicas.py); one that dies makes the server drain the rest and exit 1.
 
 Status codes: 400 body is not JSON, or a value does not fit this model (prompt or max_tokens beyond the
 context, token id outside the vocabulary, chat template refused the messages); 401 wrong or missing API key;
 404 unknown model or route; 413 body over MAX_BODY_BYTES; 422 body does not fit the schema (missing
 field, wrong type, value out of range); 503 (with Retry-After) queue full or shutting down; 500 the engine
-failed while running the request."""
+failed while running the request, or its replica died."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,8 +35,8 @@ from specserve.engine import Engine
 from specserve.grammar import GrammarCompiler
 from specserve.loader import EMBEDDED_NAME
 from specserve.loader.tokenizer import chat_token_ids
-from specserve.server.async_engine import AsyncEngine, EngineError, Submission, Unavailable
-from specserve.server.metrics import Metrics
+from specserve.server.async_engine import AsyncEngine, EngineError, LocalReplica, Submission, Unavailable
+from specserve.server.metrics import EngineSnapshot, Metrics
 from specserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -65,6 +66,7 @@ from specserve.server.protocol import (
     TopLogprob,
     Usage,
 )
+from specserve.server.replicas import RemoteReplica, replica_args
 from specserve.server.tools import OPEN, parse_tool_calls, template_takes_tools
 from specserve.types import Grammar, RequestOutput, SamplingParams, SpecStats
 
@@ -167,11 +169,14 @@ class EventStream(StreamingResponse):
 
 
 class OpenAIServer:
+    """The endpoints. `engine` is replica 0 (its tokenizer and limits are the server's: every replica loads the
+    same model); `remotes` are replicas 1.. in processes of their own."""
+
     def __init__(self, engine: Engine, served_model_name: str | None, api_key: str | None,
-                 max_queued_requests: int) -> None:
+                 max_queued_requests: int, remotes: Sequence[RemoteReplica] = ()) -> None:
         self.metrics = Metrics()
-        self.core = AsyncEngine(engine, self.metrics,
-                                engine.config.scheduler.max_running_requests + max_queued_requests)
+        max_running = (1 + len(remotes)) * engine.config.scheduler.max_running_requests
+        self.core = AsyncEngine([LocalReplica(engine), *remotes], self.metrics, max_running + max_queued_requests)
         # handlers encode with their own copy: the engine thread decodes with engine.tokenizer, and one
         # Rust tokenizer object must not be used by two threads at once
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -182,7 +187,7 @@ class OpenAIServer:
         self.model_name = served_model_name or engine.config.model_path or EMBEDDED_NAME
         self.api_key = api_key
         self.created = int(time.time())
-        self.metrics.observe_engine(engine)     # the gauges exist before the first request
+        self.metrics.observe(0, EngineSnapshot.of(engine))     # the gauges exist before the first request
 
     # ---- endpoints --------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -515,8 +520,8 @@ def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
 
 
 def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None,
-               max_queued_requests: int = 256) -> FastAPI:
-    server = OpenAIServer(engine, served_model_name, api_key, max_queued_requests)
+               max_queued_requests: int = 256, remotes: Sequence[RemoteReplica] = ()) -> FastAPI:
+    server = OpenAIServer(engine, served_model_name, api_key, max_queued_requests, remotes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -555,12 +560,14 @@ def create_app(engine: Engine, served_model_name: str | None = None, api_key: st
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: keep listening, but /health and new requests answer 503 (with Retry-After); give
     in-flight requests `grace_s` to finish, abort the rest, then close the socket and exit 0. A second
-    signal stops at once."""
+    signal stops at once. A replica that dies starts the same drain, and `exit_code` becomes 1."""
 
     def __init__(self, config: uvicorn.Config, core: AsyncEngine, grace_s: float) -> None:
         super().__init__(config)
         self.core, self.grace_s = core, grace_s
         self.draining = False
+        self.exit_code = 0
+        core.on_failure = self.fail
 
     def handle_exit(self, sig: int, frame) -> None:
         # uvicorn's own handler would close the socket at once (connection refused during the drain) and
@@ -569,16 +576,40 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = self.force_exit or sig == signal.SIGINT
             self.should_exit = True
             return
+        self.drain()
+
+    def fail(self) -> None:
+        self.exit_code = 1
+        if not self.draining:
+            self.drain()
+
+    def drain(self) -> None:
         self.draining = True
         self.core.drain(self.grace_s, lambda: setattr(self, "should_exit", True))
 
 
 def serve(engine_args: dict, host: str = "127.0.0.1", port: int = 30000, max_queued_requests: int = 256,
           api_key: str | None = None, served_model_name: str | None = None, shutdown_timeout: float = 10.0) -> int:
-    engine = Engine(engine_config(**engine_args))
-    app = create_app(engine, served_model_name, api_key, max_queued_requests)
-    # uvicorn cancels whatever is left after its own timeout; ours aborts requests before that
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=shutdown_timeout + 5)
-    DrainingServer(config, app.state.server.core, shutdown_timeout).run()
-    return 0
+    """Serve until SIGTERM (exit status 0) or a replica's death (1); `engine_args["dp_size"]` replicas."""
+    dp_size = engine_args.get("dp_size", 1)
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be at least 1, got {dp_size}")
+    # replicas 1.. load in their processes while replica 0 loads here
+    remotes = [RemoteReplica(i, replica_args(engine_args, i)) for i in range(1, dp_size)]
+    engine: Engine | None = None
+    try:
+        engine = Engine(engine_config(**replica_args(engine_args, 0)))
+        for remote in remotes:
+            remote.wait_ready()
+        app = create_app(engine, served_model_name, api_key, max_queued_requests, remotes)
+        # uvicorn cancels whatever is left after its own timeout; ours aborts requests before that
+        config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        server = DrainingServer(config, app.state.server.core, shutdown_timeout)
+        server.run()
+        return server.exit_code
+    finally:
+        for remote in remotes:
+            remote.kill()       # no orphan, however serving ended
+        if engine is not None:
+            engine.close()

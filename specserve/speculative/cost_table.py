@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import SpecConfig
-from specserve.kv_pages import KVGeometry, KVPool
+from specserve.kv_pages import KVPool
 from specserve.models.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -144,9 +144,12 @@ def default_cost_table_path(model: str, dtype: str | torch.dtype, threads: int |
 
 
 def numerics(model: LlamaModel) -> str:
-    """What a model's timings depend on besides the machine: its dtype and quantization ("float32-int8")."""
-    dtype = str(model.dtype).removeprefix("torch.")
-    return dtype if model.quantization == "none" else f"{dtype}-{model.quantization}"
+    """What a model's timings depend on besides the machine: its dtype, quantization and tensor-parallel ranks
+    ("float32-int8", "float32-tp2")."""
+    name = str(model.dtype).removeprefix("torch.")
+    if model.quantization != "none":
+        name += f"-{model.quantization}"
+    return name if model.tp_size == 1 else f"{name}-tp{model.tp_size}"
 
 
 def split_rows(rows: int, window: int) -> list[int]:
@@ -170,7 +173,7 @@ def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[in
     context = min(context, config.max_position_embeddings - window)
     pages_per_seq = math.ceil((context + window) / pool_page_size)
     max_seqs = math.ceil(rows[-1] / window)
-    pool = KVPool(KVGeometry.of(config, kv_dtype or model.dtype), max_seqs * pages_per_seq, pool_page_size)
+    pool = KVPool(model.kv_geometry(kv_dtype or model.dtype), max_seqs * pages_per_seq, pool_page_size)
     generator = torch.Generator().manual_seed(0)
     steps = []
     for total in rows:
