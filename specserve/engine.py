@@ -39,12 +39,12 @@ from specserve.types import Proposal, Request, RequestOutput, SamplingParams, Sp
 log = logging.getLogger(__name__)
 
 
-def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto is float64 under int8 weights. int8 rounding turns the last bits of a float32
-    attention (which differ between a decode step and a verify window) into whole quantization steps, and
-    speculation would then stop reproducing plain decoding; in float64 those bits never reach float32."""
+def attention_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto is the compute dtype. A float32 pool's attention runs the row-invariant kernel
+    (attention/rows.py), so int8 rounding never sees bits that differ between a decode step and a verify window,
+    and speculation reproduces plain decoding; float64 pools take the padded-SDPA path."""
     if kv_cache_dtype == "auto":
-        return torch.float64 if quantization == "int8" else dtype
+        return dtype
     if kv_cache_dtype not in ("float32", "float64"):
         raise ValueError(f"--kv-cache-dtype must be auto, float32 or float64, got {kv_cache_dtype!r}")
     return DTYPES[kv_cache_dtype]
@@ -75,7 +75,7 @@ class Engine:
                                                                  quantization=quantization)
 
         cache = config.cache
-        kv_dtype = attention_dtype(cache.kv_cache_dtype, quantization, dtype)
+        kv_dtype = attention_dtype(cache.kv_cache_dtype, dtype)
         start = time.perf_counter()
         self.model.warm_up(kv_dtype)
         log.info("warmed up the target (its first prefill and decode step) in %.1f s", time.perf_counter() - start)

@@ -41,7 +41,7 @@ class ModelRunner:
             tokens.extend(fed)
             positions.extend(range(sched.start, sched.start + len(fed)))
             spans.append(SeqSpan(req.pages, sched.start, len(fed)))
-        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+        meta = AttentionMetadata.for_pool(spans, self.pool)
         hidden, aux = self.model.forward(torch.tensor(tokens), torch.tensor(positions), meta, self.pool,
                                          self.aux_layer_ids)
         if logit_rows:

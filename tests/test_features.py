@@ -79,6 +79,7 @@ def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp
     assert torch.equal(grown.read([1, 2]).aux, first.read([0, 1]).aux)
 
 
-def test_an_int8_target_attends_in_float64_as_the_engine_serves_it(tiny_llama):
-    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float64
-    assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float32).kv_geometry.dtype == torch.float32
+def test_the_target_attends_in_the_dtype_the_engine_serves_it_with(tiny_llama):
+    """float32: the engine's row-invariant kernel (int8 or not); float64 compute: float64 attention."""
+    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float32
+    assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64).kv_geometry.dtype == torch.float64

@@ -87,14 +87,14 @@ def test_scripted_layer_stack_equals_the_eager_layers_bit_for_bit(quantization, 
     assert isinstance(model.stack, torch.jit.ScriptModule)
     outs = []
     for stack in (model.stack, DecoderStack(model.layers)):
-        pool = KVPool(KVGeometry.of(cfg, torch.float64), 8, 4)
+        pool = KVPool(KVGeometry.of(cfg, dtype), 8, 4)      # float32: the row-invariant kernel's path
         steps = [(SeqSpan([3, 1, 0], 0, 7), PROMPTS[0]), (SeqSpan([3, 1, 0], 7, 3), [4, 5, 6])]   # prefill, window
         for span, ids in steps:
-            meta = AttentionMetadata.build([span], 4, pool.null_slot)
+            meta = AttentionMetadata.for_pool([span], pool)
             positions = torch.arange(span.start, span.start + span.num_new)
             cos, sin = model.rope.tables(positions)
             x, aux = stack(model.embed[torch.tensor(ids)], cos, sin, pool.k, pool.v, meta.slot_mapping,
-                           list(meta.chunks), [0])
+                           list(meta.chunks), meta.rows, [0])
             outs.append((x, aux[0]))
     half = len(outs) // 2
     for (x, aux), (x_eager, aux_eager) in zip(outs[:half], outs[half:]):

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from benchmarks.structured import ALGORITHMS, PROMPTS, SCHEMA, valid
+from specserve.attention import rows
 from specserve.drafters import embedded_pair
 from specserve.engine import LLM
 from specserve.loader import default_model_path
@@ -25,8 +26,9 @@ def llm():
     return LLM(max_running_requests=8)
 
 
-def test_the_quantized_gguf_runs_int8_by_default(llm):
-    assert llm.engine.model.quantization == "int8" and llm.engine.pool.geometry.dtype == torch.float64
+def test_the_quantized_gguf_runs_int8_by_default_with_row_invariant_float32_attention(llm):
+    assert llm.engine.model.quantization == "int8" and llm.engine.pool.geometry.dtype == torch.float32
+    assert rows.register(), "the float32 attention kernel is built here"
 
 
 def test_greedy_text_equals_transformers_first_64_tokens():

@@ -46,7 +46,7 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_
     q = torch.randn(total, heads, d, dtype=torch.float64)
     k = torch.randn(total, kv_heads, d, dtype=torch.float64)
     v = torch.randn(total, kv_heads, d, dtype=torch.float64)
-    out = paged_attention(q, k, v, pool.k[0], pool.v[0], meta.slot_mapping, list(meta.chunks), d ** -0.5)
+    out = paged_attention(q, k, v, pool.k[0], pool.v[0], meta.slot_mapping, list(meta.chunks), None, d ** -0.5)
     assert not out.isnan().any()
     off = 0
     for b, (cached, new, _) in enumerate(layout):
@@ -73,7 +73,43 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_in_the_pools_dtyp
         assert meta.chunks[0].first_slot == first_slot and (meta.chunks[0].mask is None) == (new == 1)
         q = torch.randn(new, heads, d)
         out = paged_attention(q, k[cached:cached + new], v[cached:cached + new], pool.k[0], pool.v[0],
-                              meta.slot_mapping, list(meta.chunks), d ** -0.5)
+                              meta.slot_mapping, list(meta.chunks), None, d ** -0.5)
         assert out.dtype == torch.float32
         ref = reference(q.double(), k[:cached + new].double(), v[:cached + new].double(), cached, True)
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bits(causal):
+    """The float32 path (AttentionMetadata.for_pool → the row-invariant kernel): the reference's result for the
+    ragged layout, and each sequence run alone (fewer rows, other chunking) gives bit for bit the same rows."""
+    torch.manual_seed(2)
+    page_size, heads, kv_heads, d = 4, 4, 2, 8
+    layout = [(5, 1, [7, 2]), (0, 6, [0, 9]), (3, 4, [4, 5]), (8, 3, [1, 3, 10])]
+    pool = KVPool(KVGeometry(1, kv_heads, d, torch.float32), 12, page_size)
+    pool.fill_pages(list(range(12)), float("nan"))
+    total = sum(new for _, new, _ in layout)
+    history = [(torch.randn(c, kv_heads, d), torch.randn(c, kv_heads, d)) for c, _, _ in layout]
+    q, k, v = torch.randn(total, heads, d), torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
+
+    def attend(members: list[int]) -> torch.Tensor:
+        for b in members:
+            cached, _, pages = layout[b]
+            if cached:
+                pool.write(0, AttentionMetadata.for_pool([SeqSpan(pages, 0, cached)], pool).slot_mapping, *history[b])
+        spans = [SeqSpan(layout[b][2], layout[b][0], layout[b][1], causal) for b in members]
+        meta = AttentionMetadata.for_pool(spans, pool)
+        assert meta.rows is not None and not meta.chunks
+        rows = torch.cat([torch.arange(sum(n for _, n, _ in layout[:b]), sum(n for _, n, _ in layout[:b + 1]))
+                          for b in members])
+        return paged_attention(q[rows], k[rows], v[rows], pool.k[0], pool.v[0], meta.slot_mapping,
+                               list(meta.chunks), meta.rows, d ** -0.5)
+
+    out = attend(list(range(len(layout))))
+    off = 0
+    for b, (cached, new, _) in enumerate(layout):
+        full_k, full_v = torch.cat([history[b][0], k[off:off + new]]), torch.cat([history[b][1], v[off:off + new]])
+        ref = reference(q[off:off + new].double(), full_k.double(), full_v.double(), cached, causal)
+        torch.testing.assert_close(out[off:off + new].double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(attend([b]), out[off:off + new]), f"sequence {b} alone differs from its rows in the batch"
+        off += new

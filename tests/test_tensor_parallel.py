@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from specserve.config import ParallelConfig
-from specserve.distributed import RankFailure, Topology
+from specserve.distributed import RankFailure, Topology, free_port
 from specserve.engine import LLM, Engine
 from specserve.kv_pages import slots_for
 from specserve.models.block_drafter import random_block_drafter
 from specserve.models.tensor_parallel import check_tp_size, shard_config, shard_weights
 from specserve.types import Request, SamplingParams
+from tests.conftest import save_hf_folder
 from tests.spec_harness import (
     GREEDY,
     PROMPTS,
@@ -174,3 +175,22 @@ def test_generate_at_tp3_prints_what_tp1_prints_on_the_embedded_pair(embedded_fl
                            "3", "--speculative-algorithm", algorithm], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1])["token_ids"] == embedded_float64_greedy
+
+
+def test_a_second_node_runs_its_ranks_for_node_0(tiny_llama, tmp_path):
+    """--nnodes 2 on one machine: `serve --node-rank 1` holds rank 1 until node 0's engine stops it."""
+    folder = save_hf_folder(tiny_llama, tmp_path / "tiny")
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--model-path", str(folder), "--dtype", "float64", "--tp-size", "2", "--nnodes", "2",
+             "--dist-init-addr", addr, "--threads", "1"]
+    node1 = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", *flags, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        want, _ = generate(make_engine(tiny_llama))
+        got, _ = generate(make_engine(tiny_llama, model_path=str(folder), tp_size=2, nnodes=2, dist_init_addr=addr))
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+        output, _ = node1.communicate(timeout=30)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0, output
+    assert "node 1: tensor-parallel ranks [1] started" in output

@@ -1,11 +1,17 @@
-"""Reference attention over paged KV on the CPU: ragged queries (each sequence its own count and
-positions) packed into one padded SDPA call per layer. Prefill, decode and verify windows mix freely.
+"""Attention over paged KV on the CPU; prefill, decode and verify windows mix freely. Two paths:
+- float32 pools: the row-invariant kernel (rows.cpp), each query row computed alone from its keys, read in place
+  through its sequence's slot table (`RowTables`); a row's result never depends on the rows beside it;
+- other pools (float64): ragged queries (each sequence its own count and positions) packed into padded SDPA
+  calls (`AttentionChunk`), exact up to float64 rounding.
 paged_attention and what it reads are TorchScript-compatible: llama.py scripts the layer stack."""
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+
+from specserve.attention.rows import register as register_rows_op
+from specserve.kv_pages import KVPool
 
 # Decode steps, verify windows and short chunks take the grouped layout (a float64 decode step at a 4k context
 # ran ~1.7x faster in it than in SDPA's own GQA path); long prefills ran 5-20% slower in it.
@@ -73,10 +79,42 @@ class AttentionChunk(NamedTuple):
         return chunk, slot_mapping
 
 
+class RowTables(NamedTuple):
+    """What the row-invariant kernel reads: each query row attends keys 0 .. length - 1 of its sequence."""
+    seq: torch.Tensor              # [num_tokens] the row's sequence
+    length: torch.Tensor           # [num_tokens] keys the row attends (its position + 1, or the whole block)
+    slots: torch.Tensor            # [num_seqs, max_kv] each sequence's key slots (padding: the zero page)
+
+    @staticmethod
+    def build(spans: list[SeqSpan], page_size: int, null_slot: int) -> tuple["RowTables", torch.Tensor]:
+        """The tables and the new tokens' slots."""
+        max_kv = max(s.start + s.num_new for s in spans)
+        slots = torch.full((len(spans), max_kv), null_slot, dtype=torch.long)
+        seq, length, slot_mapping = [], [], []
+        for b, s in enumerate(spans):
+            kv_len = s.start + s.num_new
+            pos = torch.arange(kv_len)
+            slots[b, :kv_len] = torch.tensor(s.pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size
+            slot_mapping.append(slots[b, s.start:kv_len])
+            seq.append(torch.full((s.num_new,), b, dtype=torch.long))
+            length.append(torch.arange(s.start + 1, kv_len + 1) if s.causal else torch.full((s.num_new,), kv_len))
+        return RowTables(torch.cat(seq), torch.cat(length), slots), torch.cat(slot_mapping)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor     # [num_tokens] where each new token's K/V is written
     chunks: tuple[AttentionChunk, ...]
+    rows: Optional[RowTables] = None      # set: the row-invariant kernel attends, and `chunks` is empty
+
+    @staticmethod
+    def for_pool(spans: list[SeqSpan], pool: KVPool) -> "AttentionMetadata":
+        """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32."""
+        if pool.geometry.dtype == torch.float32:
+            register_rows_op()
+            rows, slot_mapping = RowTables.build(spans, pool.page_size, pool.null_slot)
+            return AttentionMetadata(slot_mapping, (), rows)
+        return AttentionMetadata.build(spans, pool.page_size, pool.null_slot)
 
     # Padded K/V rows gathered per SDPA call. A whole large batch gathered at once falls out of the CPU
     # caches: 32 chat requests decoded at ~110 tokens/s in one call per layer, ~170 in chunks of 1024 rows
@@ -106,13 +144,19 @@ class AttentionMetadata:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor,   # one layer's [num_slots, kv_heads, head_dim]
-                    slot_mapping: torch.Tensor, chunks: list[AttentionChunk], scale: float) -> torch.Tensor:
-    """Attention in the pool's dtype (a float64 pool makes a row's result independent of the rows beside it
-    to float64 rounding). q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
-    → [num_tokens, heads * head_dim] in q's dtype."""
+                    slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables],
+                    scale: float) -> torch.Tensor:
+    """Attention in the pool's dtype: with `rows`, the float32 row-invariant kernel; else padded SDPA calls per
+    chunk (a float64 pool makes a row's result independent of the rows beside it to float64 rounding).
+    q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] → [num_tokens, heads * head_dim]
+    in q's dtype."""
     kv_dtype = k_pool.dtype
     k_pool.index_copy_(0, slot_mapping, k.to(kv_dtype))
     v_pool.index_copy_(0, slot_mapping, v.to(kv_dtype))
+    if rows is not None:
+        out = torch.ops.specserve.paged_attention_rows(q.to(kv_dtype).contiguous(), k_pool, v_pool, rows.seq,
+                                                       rows.length, rows.slots, scale)
+        return out.view(q.shape[0], -1).to(q.dtype)
     q_kv = q.to(kv_dtype)
     outs = [_attend_chunk(q_kv[c.token_start:c.token_start + c.num_tokens], k_pool, v_pool, c, scale)
             for c in chunks]

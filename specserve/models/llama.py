@@ -3,11 +3,13 @@ Fused QKV and gate/up projections keep the op count low: at batch 1 on a CPU, ov
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, SeqSpan, paged_attention
+from specserve.attention import rows as rows_kernel
+from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, RowTables, SeqSpan, paged_attention
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
@@ -34,12 +36,13 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor,                          # [num_tokens, hidden]
                 cos: torch.Tensor, sin: torch.Tensor,           # [num_tokens, 1, head_dim]
                 k_pool: torch.Tensor, v_pool: torch.Tensor,     # [num_slots, kv_heads, head_dim], this layer's
-                slot_mapping: torch.Tensor, chunks: list[AttentionChunk]) -> torch.Tensor:
-        x = x + self.attention(x, cos, sin, k_pool, v_pool, slot_mapping, chunks)
+                slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables]) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin, k_pool, v_pool, slot_mapping, chunks, rows)
         return x + self.mlp(x)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                  v_pool: torch.Tensor, slot_mapping: torch.Tensor, chunks: list[AttentionChunk]) -> torch.Tensor:
+                  v_pool: torch.Tensor, slot_mapping: torch.Tensor, chunks: list[AttentionChunk],
+                  rows: Optional[RowTables]) -> torch.Tensor:
         """The attention block's contribution to the residual stream (a partial sum under tensor parallelism)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
@@ -52,7 +55,7 @@ class DecoderLayer(torch.nn.Module):
                            dim=1)
         qk = apply_rope(qk, cos, sin)
         return self.o(paged_attention(qk[:, :heads], qk[:, heads:], v, k_pool, v_pool, slot_mapping, chunks,
-                                      self.scale))
+                                      rows, self.scale))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block's contribution to the residual stream (a partial sum under tensor parallelism)."""
@@ -72,11 +75,11 @@ class DecoderStack(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_pool: torch.Tensor, v_pool: torch.Tensor,    # [layers, num_slots, kv_heads, head_dim]
-                slot_mapping: torch.Tensor, chunks: list[AttentionChunk],
+                slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables],
                 aux_layer_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_pool[i], v_pool[i], slot_mapping, chunks)
+            x = layer(x, cos, sin, k_pool[i], v_pool[i], slot_mapping, chunks, rows)
             if i in aux_layer_ids:
                 aux.append(x)
         return x, aux
@@ -89,7 +92,7 @@ def warm_up(model: LlamaModel, kv_dtype: torch.dtype) -> None:
     (A TensorParallelModel, which has the same forward and kv_geometry, passes itself too.)"""
     pool = KVPool(model.kv_geometry(kv_dtype), num_pages=1, page_size=4)
     for start, num_new in ((0, 2), (2, 1)):
-        meta = AttentionMetadata.build([SeqSpan([0], start, num_new)], 4, pool.null_slot)
+        meta = AttentionMetadata.for_pool([SeqSpan([0], start, num_new)], pool)
         positions = torch.arange(start, start + num_new)
         model.forward(torch.zeros(num_new, dtype=torch.long), positions, meta, pool)
 
@@ -140,6 +143,7 @@ class LlamaModel:
                                     quantization=quantization),
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
+        rows_kernel.register()          # the layers call it: it must exist before the stack is compiled
         self.stack = scripted(DecoderStack(self.layers)) if script else None
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
 
@@ -165,7 +169,8 @@ class LlamaModel:
         """`forward` from input vectors x: [num_tokens, hidden] instead of token ids (EAGLE's inputs
         mix the token embedding with a feature)."""
         cos, sin = self.rope.tables(positions)
-        x, aux = self.stack(x, cos, sin, pool.k, pool.v, meta.slot_mapping, list(meta.chunks), list(aux_layer_ids))
+        x, aux = self.stack(x, cos, sin, pool.k, pool.v, meta.slot_mapping, list(meta.chunks), meta.rows,
+                            list(aux_layer_ids))
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,8 @@ class ModelShard:
         chunks = list(meta.chunks)
         aux = []
         for i, layer in enumerate(m.layers):
-            x = x + sum_over_ranks(layer.attention(x, cos, sin, pool.k[i], pool.v[i], meta.slot_mapping, chunks))
+            x = x + sum_over_ranks(layer.attention(x, cos, sin, pool.k[i], pool.v[i], meta.slot_mapping, chunks,
+                                                   meta.rows))
             x = x + sum_over_ranks(layer.mlp(x))
             if i in aux_layer_ids:
                 aux.append(x)

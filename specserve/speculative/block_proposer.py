@@ -134,7 +134,7 @@ class BlockDrafterProposer(CommittedContext):
             tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (job.num_drafts - 1)
             positions += range(anchor, anchor + job.num_drafts)
             spans.append(SeqSpan(req.pages, anchor, job.num_drafts, causal=False))
-        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+        meta = AttentionMetadata.for_pool(spans, self.pool)
         anchor_context = None
         if self.drafter.anchor_proj is not None:
             # an anchor at position 0 (a one-token prompt) has no context before it: a zero vector

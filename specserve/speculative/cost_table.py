@@ -189,7 +189,7 @@ def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[in
         for round_ in range(repeats + 1):
             for j, (spans, tokens, positions) in enumerate(steps):
                 start = time.perf_counter()
-                meta = AttentionMetadata.build(spans, pool_page_size, pool.null_slot)
+                meta = AttentionMetadata.for_pool(spans, pool)
                 hidden, _ = model.forward(tokens, positions, meta, pool)
                 model.logits(hidden)
                 if round_:

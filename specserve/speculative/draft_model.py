@@ -123,7 +123,7 @@ class DraftModelProposer:
     def _forward(self, tokens: list[int], positions: list[int], spans: list[SeqSpan],
                  rows: list[int]) -> torch.Tensor:
         """Feed `tokens` into the draft pool → logits of the fed tokens at `rows`, [len(rows), vocab]."""
-        meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+        meta = AttentionMetadata.for_pool(spans, self.pool)
         hidden, _ = self.model.forward(torch.tensor(tokens), torch.tensor(positions), meta, self.pool)
         return self.model.logits(hidden[rows])
 

@@ -79,7 +79,7 @@ class EagleProposer(CommittedContext):
         for r in range(max(job.num_drafts for job in jobs)):
             positions = [job.request.num_tokens - 1 + r for job in active]
             spans = [SeqSpan(job.request.pages, pos, 1) for job, pos in zip(active, positions)]
-            meta = AttentionMetadata.build(spans, self.pool.page_size, self.pool.null_slot)
+            meta = AttentionMetadata.for_pool(spans, self.pool)
             predicted, logits = self.drafter.forward(torch.tensor(tokens), features, torch.tensor(positions), meta,
                                                      self.pool)
             choose_drafts(active, logits, drafts, probs, self.generator)

@@ -43,7 +43,7 @@ class TargetPass:
     def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
                  dtype: torch.dtype = torch.float32) -> None:
         self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization)
-        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", quantization, dtype))
+        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", dtype))
         self.layer_ids = layer_ids
         self.top_k = top_k
         self.pool: KVPool | None = None
@@ -55,7 +55,7 @@ class TargetPass:
         if self.pool is None or self.pool.num_pages < B * per_seq:
             self.pool = KVPool(self.kv_geometry, B * per_seq, PAGE_SIZE)
         spans = [SeqSpan(list(range(b * per_seq, (b + 1) * per_seq)), 0, len(s)) for b, s in enumerate(sequences)]
-        meta = AttentionMetadata.build(spans, PAGE_SIZE, self.pool.null_slot)
+        meta = AttentionMetadata.for_pool(spans, self.pool)
         tokens = torch.tensor([t for s in sequences for t in s])
         positions = torch.tensor([p for s in sequences for p in range(len(s))])
         hidden, aux = self.model.forward(tokens, positions, meta, self.pool, self.layer_ids)
@@ -101,12 +101,12 @@ class FeatureCache:
 
     @staticmethod
     def key(target: LoadedCheckpoint, pass_: TargetPass, quantization: str) -> dict:
-        """Everything a stored row depends on besides its tokens: the target file and its numerics, the
-        layers and k."""
+        """Everything a stored row depends on besides its tokens: the target file and its numerics (weights,
+        compute and attention dtypes), the layers and k."""
         source = Path(target.source)
         return {"target": source.name, "target_bytes": source.stat().st_size if source.is_file() else None,
-                "quantization": quantization, "dtype": str(pass_.model.dtype), "layer_ids": list(pass_.layer_ids),
-                "top_k": pass_.top_k}
+                "quantization": quantization, "dtype": str(pass_.model.dtype),
+                "attention": str(pass_.kv_geometry.dtype), "layer_ids": list(pass_.layer_ids), "top_k": pass_.top_k}
 
     @staticmethod
     def folder_for(root: Path, key: dict) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from specserve.distributed import free_port
 from tests.conftest import save_hf_folder, tiny_checkpoint
 
 KV_BYTES = "8000000"     # ~1000 pages of the tiny model; the 1 GiB default takes seconds to allocate
@@ -21,12 +21,6 @@ KV_BYTES = "8000000"     # ~1000 pages of the tiny model; the 1 GiB default take
 
 def save_tiny_model(folder: Path, max_positions: int = 2048) -> Path:
     return save_hf_folder(tiny_checkpoint("llama", max_positions=max_positions), folder, torch.float32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
