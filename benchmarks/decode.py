@@ -111,11 +111,11 @@ def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, fl
         llm.generate([prompt], params)
         profiled_s = time.perf_counter() - start
     groups = {"int8 matmuls (fbgemm, the LM head included)": ("quantized::linear_dynamic",),
-              "attention (SDPA, K/V gather and write)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                                                          "aten::index_select", "aten::index_copy_")}
+              "attention (the row-invariant kernel, K/V writes)": ("specserve::paged_attention_rows",
+                                                                    "aten::index_copy_")}
     spent: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if not event.key.startswith(("aten::", "quantized::", "mkldnn::")):
+        if not event.key.startswith(("aten::", "quantized::", "mkldnn::", "specserve::")):
             continue
         group = next((g for g, names in groups.items() if event.key in names),
                      "other ops (norms, rotary, scaling, casts)")

@@ -191,3 +191,8 @@ def test_coupled_sampling_gives_unseeded_sampled_requests_a_seed(tiny_llama):
     assert seeds["coupled"][2] is None and seeds["rejection"] == [None, None, None]
     with pytest.raises(ValueError, match="--speculative-sampling must be coupled or rejection, got 'greedy'"):
         LLM(checkpoint=tiny_llama, num_pages=16, page_size=4, speculative_sampling="greedy")
+
+
+def test_an_engine_is_one_data_parallel_replica(tiny_llama):
+    with pytest.raises(ValueError, match="--dp-size 2: an engine is one replica; `specserve serve` runs replicas"):
+        LLM(checkpoint=tiny_llama, num_pages=8, dp_size=2)
