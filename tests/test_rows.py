@@ -1,6 +1,10 @@
 """The row-invariant attention kernel (attention/rows.cpp via rows.py): built on this machine, equal to the
 reference implementation, and a row's bits depend only on its own query, keys and count: not on the rows beside
 it, nor on whether its keys cross a split."""
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from specserve.attention import rows
@@ -47,3 +51,24 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
     finally:
         torch.set_num_threads(1)
     assert torch.equal(shuffled, batch[order])
+
+
+def test_where_the_kernel_cannot_be_built_the_reference_serves_the_op():
+    """A fresh process on a 'CPU without AVX2': the op is the per-row reference, and still row-invariant."""
+    script = """
+import torch
+from specserve.attention import rows
+from tests.test_rows import case
+rows._has_avx2 = lambda: False
+assert not rows.register()
+q, k_pool, v_pool, seq_slots = case(3, seed=2)
+row_seq, row_len = torch.tensor([0, 1, 0]), torch.tensor([5, 600, 6])
+out = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1)
+assert torch.equal(out, rows.reference(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1))
+alone = torch.ops.specserve.paged_attention_rows(q[1:2], k_pool, v_pool, row_seq[1:2], row_len[1:2], seq_slots, 0.1)
+assert torch.equal(alone[0], out[1])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "float32 attention runs the slow reference" in done.stderr
