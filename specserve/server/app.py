@@ -176,7 +176,8 @@ class OpenAIServer:
                  max_queued_requests: int, remotes: Sequence[RemoteReplica] = ()) -> None:
         self.metrics = Metrics()
         max_running = (1 + len(remotes)) * engine.config.scheduler.max_running_requests
-        self.core = AsyncEngine([LocalReplica(engine), *remotes], self.metrics, max_running + max_queued_requests)
+        self.core = AsyncEngine([LocalReplica(engine), *remotes], self.metrics, max_running + max_queued_requests,
+                                engine.config.cache.page_size)
         # handlers encode with their own copy: the engine thread decodes with engine.tokenizer, and one
         # Rust tokenizer object must not be used by two threads at once
         self.tokenizer = copy.deepcopy(engine.tokenizer)

@@ -4,7 +4,8 @@ An engine is not thread-safe, so only its replica's loop (`drive`) touches it: H
 through the replica's thread-safe inbox, which the loop drains between steps, and the loop hands each step's
 outputs back to the event loop, which routes them to per-request asyncio queues. Replica 0 is an engine in a
 thread of this process; with --dp-size N, replicas 1..N-1 run the same loop in processes of their own
-(replicas.py), and each HTTP request goes to the replica with the fewest unfinished engine requests."""
+(replicas.py), and each HTTP request goes to the replica that router.py picks: the one likely to hold its
+prompt's prefix, unless it is much busier than the least loaded one."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ from typing import Protocol
 from specserve.distributed import RankFailure
 from specserve.engine import Engine
 from specserve.server.metrics import EngineSnapshot, Metrics
+from specserve.server.router import PrefixRouter
 from specserve.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -167,8 +169,9 @@ class Submission:
 
 
 class AsyncEngine:
-    def __init__(self, replicas: list[Replica], metrics: Metrics, max_requests: int) -> None:
+    def __init__(self, replicas: list[Replica], metrics: Metrics, max_requests: int, page_size: int) -> None:
         self.replicas = replicas
+        self.router = PrefixRouter(len(replicas), page_size)
         self.metrics = metrics
         self.max_requests = max_requests      # running + queued engine requests admitted at once
         self.routes: dict[str, _Route] = {}   # event-loop side: unfinished engine requests
@@ -196,8 +199,8 @@ class AsyncEngine:
         if len(self.routes) + len(jobs) > self.max_requests:
             raise Unavailable(f"the server is at its limit of {self.max_requests} running and queued requests "
                               f"(--max-running-requests + --max-queued-requests): retry later")
-        # one replica for all the choices: they share the prompt's prefix cache; ties go to the lowest index
-        replica = min(range(len(self.replicas)), key=self.load.__getitem__)
+        # one replica for all the choices: they share the prompt's prefix cache
+        replica = self.router.route(jobs[0][0], self.load)
         inbox = self.replicas[replica].inbox
         sub = Submission(self, [f"r{next(self._ids)}" for _ in jobs])
         now = time.perf_counter()
