@@ -1,5 +1,6 @@
 """Quality of --quantization int8 against float32 on the same GGUF: mean NLL / perplexity of reference
-answers (the first turns of ShareGPT conversations held out from drafter training, chat template on),
+answers (the first turns of ShareGPT conversations held out from drafter training, chat template on), also
+with a float16 KV cache under int8 (--kv-cache-dtype float16),
 and greedy agreement over the first 64 new tokens of chat prompts (teacher-forced on the float32 model's
 own continuation, and the length of the common free-running prefix). Writes
 benchmarks/results/quant_quality.json.
@@ -51,17 +52,19 @@ def held_out_answers(count: int, tokenizer, max_tokens: int) -> list[tuple[list[
 
 
 @torch.inference_mode()
-def all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:   # [len(ids), vocab]
+def all_logits(model: LlamaModel, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # → [len(ids), vocab], attention as the engine serves it (the row-invariant kernel for float32/float16 KV)
     page = 16
-    pool = KVPool(KVGeometry.of(model.config, model.dtype), -(-len(ids) // page), page)
-    meta = AttentionMetadata.build([SeqSpan(list(range(pool.num_pages)), 0, len(ids))], page, pool.null_slot)
+    pool = KVPool(KVGeometry.of(model.config, kv_dtype), -(-len(ids) // page), page)
+    meta = AttentionMetadata.for_pool([SeqSpan(list(range(pool.num_pages)), 0, len(ids))], pool)
     hidden, _ = model.forward(torch.tensor(ids), torch.arange(len(ids)), meta, pool)
     return model.logits(hidden)
 
 
-def answer_nll(model: LlamaModel, prompt: list[int], answer: list[int]) -> tuple[float, int]:
+def answer_nll(model: LlamaModel, prompt: list[int], answer: list[int],
+               kv_dtype: torch.dtype = torch.float32) -> tuple[float, int]:
     """Summed negative log-likelihood of the answer tokens and their count."""
-    logits = all_logits(model, prompt + answer)[len(prompt) - 1:-1]
+    logits = all_logits(model, prompt + answer, kv_dtype)[len(prompt) - 1:-1]
     return float(torch.nn.functional.cross_entropy(logits.double(), torch.tensor(answer), reduction="sum")), len(answer)
 
 
@@ -79,12 +82,13 @@ def main() -> None:
     llms = {q: LLM(args.model_path, quantization=q, disable_radix_cache=True) for q in ("none", "int8")}
     tokenizer = llms["none"].tokenizer
     texts = held_out_answers(args.texts, tokenizer, args.max_tokens)
-    nll = {q: [0.0, 0] for q in llms}
+    variants = {"none": ("none", torch.float32), "int8": ("int8", torch.float32), "int8_kv16": ("int8", torch.float16)}
+    nll = {v: [0.0, 0] for v in variants}
     for prompt, answer in tqdm(texts, desc="NLL"):
-        for q, llm in llms.items():
-            total, count = answer_nll(llm.engine.model, prompt, answer)
-            nll[q][0] += total
-            nll[q][1] += count
+        for v, (q, kv_dtype) in variants.items():
+            total, count = answer_nll(llms[q].engine.model, prompt, answer, kv_dtype)
+            nll[v][0] += total
+            nll[v][1] += count
 
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in
                islice((CHAT_PROMPTS * 4), args.prompts)]
@@ -104,6 +108,8 @@ def main() -> None:
         "nll_fp32": round(mean["none"], 5), "nll_int8": round(mean["int8"], 5),
         "ppl_fp32": round(math.exp(mean["none"]), 4), "ppl_int8": round(math.exp(mean["int8"]), 4),
         "nll_int8_over_fp32": round(mean["int8"] / mean["none"], 5),
+        "nll_int8_kv16": round(mean["int8_kv16"], 5),
+        "nll_int8_kv16_over_fp32": round(mean["int8_kv16"] / mean["none"], 5),
         "greedy_agreement_teacher_forced": round(forced_same / forced_total, 4),
         "greedy_common_prefix_mean": round(prefix / len(prompts), 2),
     }

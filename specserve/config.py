@@ -49,9 +49,10 @@ class CacheConfig:
     disable_radix_cache: bool = field(default=False, metadata=flag(
         "--disable-radix-cache", help="turn off prefix reuse across requests"))
     kv_cache_dtype: str = field(default="auto", metadata=flag(
-        "--kv-cache-dtype", help="auto | float32 | float64: the target's KV cache and attention (auto: float64 with "
-                                 "int8 weights, so attention gives a row the same bits in any batch or verify window; "
-                                 "else the compute dtype)"))
+        "--kv-cache-dtype", help="auto | float32 | float16 | float64: the target's KV cache (auto: float16 under int8 "
+                                 "weights, else the compute dtype). "
+                                 "float32 and float16 attend in the row-invariant kernel (float16: half the bytes); "
+                                 "float64 in padded SDPA"))
 
 
 @dataclass(frozen=True)

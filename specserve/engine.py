@@ -39,15 +39,20 @@ from specserve.types import Proposal, Request, RequestOutput, SamplingParams, Sp
 log = logging.getLogger(__name__)
 
 
-def attention_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto is the compute dtype. A float32 pool's attention runs the row-invariant kernel
-    (attention/rows.py), so int8 rounding never sees bits that differ between a decode step and a verify window,
-    and speculation reproduces plain decoding; float64 pools take the padded-SDPA path."""
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+
+
+def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype. auto: float16 under int8 weights (as llama.cpp's default f16 cache: half the bytes to
+    stream, and the NLL of held-out answers moved by less than the run-to-run noise, benchmarks/quant_quality.py),
+    else the compute dtype. Float32 and float16 pools attend in the row-invariant kernel (attention/rows.py), so
+    int8 rounding never sees bits that differ between a decode step and a verify window and speculation
+    reproduces plain decoding; float64 pools take the padded-SDPA path."""
     if kv_cache_dtype == "auto":
-        return dtype
-    if kv_cache_dtype not in ("float32", "float64"):
-        raise ValueError(f"--kv-cache-dtype must be auto, float32 or float64, got {kv_cache_dtype!r}")
-    return DTYPES[kv_cache_dtype]
+        return torch.float16 if quantization == "int8" and dtype == torch.float32 else dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 class Engine:
@@ -75,7 +80,7 @@ class Engine:
                                                                  quantization=quantization)
 
         cache = config.cache
-        kv_dtype = attention_dtype(cache.kv_cache_dtype, dtype)
+        kv_dtype = attention_dtype(cache.kv_cache_dtype, quantization, dtype)
         start = time.perf_counter()
         self.model.warm_up(kv_dtype)
         log.info("warmed up the target (its first prefill and decode step) in %.1f s", time.perf_counter() - start)

@@ -98,9 +98,9 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=geometry.dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots: [num_tokens]; k, v: [num_tokens, kv_heads, head_dim]
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        # slots: [num_tokens]; k, v: [num_tokens, kv_heads, head_dim], rounded to the pool's dtype
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
     def fill_pages(self, pages: list[int], value: float) -> None:
         """Overwrite whole pages (tests poison free pages with NaN to prove they are never read)."""

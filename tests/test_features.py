@@ -80,6 +80,7 @@ def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp
 
 
 def test_the_target_attends_in_the_dtype_the_engine_serves_it_with(tiny_llama):
-    """float32: the engine's row-invariant kernel (int8 or not); float64 compute: float64 attention."""
-    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float32
+    """int8: a float16 cache; float32 without int8: float32; float64 compute: float64 attention."""
+    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float16
+    assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float32).kv_geometry.dtype == torch.float32
     assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64).kv_geometry.dtype == torch.float64

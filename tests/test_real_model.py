@@ -26,8 +26,8 @@ def llm():
     return LLM(max_running_requests=8)
 
 
-def test_the_quantized_gguf_runs_int8_by_default_with_row_invariant_float32_attention(llm):
-    assert llm.engine.model.quantization == "int8" and llm.engine.pool.geometry.dtype == torch.float32
+def test_the_quantized_gguf_runs_int8_by_default_with_a_float16_cache_and_the_attention_kernel(llm):
+    assert llm.engine.model.quantization == "int8" and llm.engine.pool.geometry.dtype == torch.float16
     assert rows.register(), "the float32 attention kernel is built here"
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specserve.attention import rows
@@ -22,9 +23,12 @@ def test_the_kernel_is_built_on_this_machine():
     assert rows.register(), "the float32 attention kernel did not build here (see the log): gcc, ninja, AVX2?"
 
 
-def test_the_kernel_computes_what_the_reference_computes():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_kernel_computes_what_the_reference_computes(kv_dtype):
+    """float16 pools widen exactly as they are read: the reference sees the same rounded values."""
     rows.register()
     q, k_pool, v_pool, seq_slots = case(7)
+    k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
     # keys 1, 8 and 9 (the vector tail), 511-513 and 1025 (across the 512-key splits), two sequences
     row_seq = torch.tensor([0, 0, 1, 1, 0, 1, 0])
     row_len = torch.tensor([1, 9, 511, 512, 513, 1025, 1500])

@@ -79,14 +79,15 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_in_the_pools_dtyp
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bits(causal):
+def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bits(causal, kv_dtype):
     """The float32 path (AttentionMetadata.for_pool → the row-invariant kernel): the reference's result for the
     ragged layout, and each sequence run alone (fewer rows, other chunking) gives bit for bit the same rows."""
     torch.manual_seed(2)
     page_size, heads, kv_heads, d = 4, 4, 2, 8
     layout = [(5, 1, [7, 2]), (0, 6, [0, 9]), (3, 4, [4, 5]), (8, 3, [1, 3, 10])]
-    pool = KVPool(KVGeometry(1, kv_heads, d, torch.float32), 12, page_size)
+    pool = KVPool(KVGeometry(1, kv_heads, d, kv_dtype), 12, page_size)
     pool.fill_pages(list(range(12)), float("nan"))
     total = sum(new for _, new, _ in layout)
     history = [(torch.randn(c, kv_heads, d), torch.randn(c, kv_heads, d)) for c, _, _ in layout]
@@ -109,7 +110,9 @@ def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bit
     off = 0
     for b, (cached, new, _) in enumerate(layout):
         full_k, full_v = torch.cat([history[b][0], k[off:off + new]]), torch.cat([history[b][1], v[off:off + new]])
-        ref = reference(q[off:off + new].double(), full_k.double(), full_v.double(), cached, causal)
+        # the pool holds the K/V rounded to its dtype
+        full_k, full_v = full_k.to(kv_dtype).double(), full_v.to(kv_dtype).double()
+        ref = reference(q[off:off + new].double(), full_k, full_v, cached, causal)
         torch.testing.assert_close(out[off:off + new].double(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(attend([b]), out[off:off + new]), f"sequence {b} alone differs from its rows in the batch"
         off += new

@@ -5,7 +5,8 @@
 // Each (row, KV head) pair reads its keys in place from the pool through its sequence's slot table, in splits of
 // SPLIT keys (fixed by key index, so a row's splits are the same in any step); the splits run in parallel (two
 // threads share a 4k-token decode) and are merged in split order. Within a split the scores, exponentials, sums
-// and value products follow one fixed order of AVX2 operations.
+// and value products follow one fixed order of AVX2 operations. The pool holds float32 or float16 K/V (widened
+// exactly to float32 as it is read: half the bytes to stream at long contexts).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -46,6 +48,9 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 struct Work {
   int64_t row, kv_head, split;
 };
@@ -55,11 +60,9 @@ struct Work {
 // q: [rows, heads, head_dim]; k_pool, v_pool: [slots, kv_heads, head_dim]; row_seq, row_len: [rows] (the row's
 // sequence, and how many of its keys it attends: keys 0 .. row_len - 1 of that sequence's slots);
 // seq_slots: [sequences, max_keys] → [rows, heads, head_dim]
-at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                const at::Tensor& row_seq, const at::Tensor& row_len, const at::Tensor& seq_slots,
-                                double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
-              v_pool.scalar_type() == at::kFloat, "paged_attention_rows takes float32 queries and pools");
+template <typename KV>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& row_seq,
+                  const at::Tensor& row_len, const at::Tensor& seq_slots, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && seq_slots.is_contiguous(),
               "paged_attention_rows takes contiguous tensors");
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_pool.size(1);
@@ -70,8 +73,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
   const int64_t* len = row_len.data_ptr<int64_t>();
   const int64_t* slots = seq_slots.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
+  const KV* kp = static_cast<const KV*>(k_pool.data_ptr());
+  const KV* vp = static_cast<const KV*>(v_pool.data_ptr());
 
   std::vector<Work> work;
   std::vector<int64_t> first(rows + 1, 0);      // work items of row r: first[r] .. first[r + 1], kv head major
@@ -89,7 +92,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * SPLIT);
-    std::vector<const float*> keys(SPLIT + 8), values(SPLIT);
+    std::vector<const KV*> keys(SPLIT + 8), values(SPLIT);
     for (int64_t w = begin; w < end; ++w) {
       const Work& it = work[w];
       const int64_t lo = it.split * SPLIT, hi = std::min(len[it.row], lo + SPLIT), n = hi - lo;
@@ -111,7 +114,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
           for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
           for (int64_t i = 0; i < d; i += 8) {
             const __m256 qv = _mm256_loadu_ps(qh + i);
-            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j0 + k] + i), acc[k]);
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(keys[j0 + k] + i), acc[k]);
           }
           const int64_t m = std::min<int64_t>(8, n - j0);
           for (int64_t k = 0; k < m; ++k) {
@@ -147,11 +150,11 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t jj = 0; jj < n; ++jj) {
             const __m256 pj = _mm256_set1_ps(p[jj]);
-            const float* v = values[jj] + i0;
-            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+            const KV* v = values[jj] + i0;
+            a0 = _mm256_fmadd_ps(pj, load8(v), a0);
+            a1 = _mm256_fmadd_ps(pj, load8(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, load8(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, load8(v + 24), a3);
           }
           _mm256_storeu_ps(acc + i0, a0);
           _mm256_storeu_ps(acc + i0 + 8, a1);
@@ -160,7 +163,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
         }
         for (; i0 < d; i0 += 8) {
           __m256 a0 = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < n; ++jj) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), _mm256_loadu_ps(values[jj] + i0), a0);
+          for (int64_t jj = 0; jj < n; ++jj) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(values[jj] + i0), a0);
           _mm256_storeu_ps(acc + i0, a0);
         }
       }
@@ -192,6 +195,16 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
     }
   });
   return out;
+}
+
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& row_seq, const at::Tensor& row_len, const at::Tensor& seq_slots,
+                                double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_rows takes float32 queries");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools must share a dtype");
+  if (k_pool.scalar_type() == at::kFloat) return attend<float>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
+  TORCH_CHECK(k_pool.scalar_type() == at::kHalf, "paged_attention_rows takes float32 or float16 pools");
+  return attend<uint16_t>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
 }
 
 TORCH_LIBRARY(specserve, m) {

@@ -1,6 +1,6 @@
 """The row-invariant float32 attention op, `torch.ops.specserve.paged_attention_rows`, which the scripted layer
-stack calls for float32 KV pools. Its kernel (rows.cpp) is compiled for this machine on first use (gcc and ninja,
-explicit -mavx2 -mfma rather than -march=native) into torch's extension cache. Where it cannot be built (no
+stack calls for float32 and float16 KV pools. Its kernel (rows.cpp) is compiled for this machine on first use (gcc
+and ninja, explicit -mavx2 -mfma -mf16c rather than -march=native) into torch's extension cache. Where it cannot be built (no
 compiler, a CPU without AVX2) the op is registered with a reference implementation instead: one SDPA call per
 query row over that row's own keys, row-invariant too (every call has the same shape), but slow."""
 from __future__ import annotations
@@ -29,14 +29,14 @@ def register() -> bool:
         start = time.perf_counter()
         try:
             load(name="specserve_attention_rows", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
             log.info("float32 attention kernel ready in %.1f s", time.perf_counter() - start)
             return True
         except Exception as exc:      # no compiler, no ninja, a failed build
             log.warning("could not build the float32 attention kernel (%s): float32 attention runs the slow "
                         "reference; --kv-cache-dtype float64 may be faster", exc)
     else:
-        log.warning("this CPU has no AVX2/FMA: float32 attention runs the slow reference")
+        log.warning("this CPU lacks AVX2, FMA or F16C: float32 attention runs the slow reference")
     library = torch.library.Library("specserve", "DEF")
     library.define(SIGNATURE)
     library.impl("paged_attention_rows", reference, "CPU")
@@ -53,7 +53,8 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_s
     out = torch.empty_like(q)
     for r in range(len(q)):
         slots = seq_slots[row_seq[r], :row_len[r]]
-        keys, values = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]
+        keys = k_pool[slots].to(q.dtype).transpose(0, 1)[None]        # float16 pools widen exactly
+        values = v_pool[slots].to(q.dtype).transpose(0, 1)[None]
         out[r] = F.scaled_dot_product_attention(q[r][None, :, None], keys, values, scale=scale,
                                                 enable_gqa=True)[0, :, 0]
     return out
@@ -65,4 +66,4 @@ def _has_avx2() -> bool:
         return False
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
                   if line.startswith("flags")), [])
-    return "avx2" in flags and "fma" in flags
+    return {"avx2", "fma", "f16c"} <= set(flags)

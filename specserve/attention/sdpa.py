@@ -1,5 +1,6 @@
 """Attention over paged KV on the CPU; prefill, decode and verify windows mix freely. Two paths:
-- float32 pools: the row-invariant kernel (rows.cpp), each query row computed alone from its keys, read in place
+- float32 and float16 pools: the row-invariant kernel (rows.cpp), each query row computed alone from its keys
+  (in float32; float16 K/V widen exactly as they are read), read in place
   through its sequence's slot table (`RowTables`); a row's result never depends on the rows beside it;
 - other pools (float64): ragged queries (each sequence its own count and positions) packed into padded SDPA
   calls (`AttentionChunk`), exact up to float64 rounding.
@@ -109,8 +110,8 @@ class AttentionMetadata:
 
     @staticmethod
     def for_pool(spans: list[SeqSpan], pool: KVPool) -> "AttentionMetadata":
-        """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32."""
-        if pool.geometry.dtype == torch.float32:
+        """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32 and float16."""
+        if pool.geometry.dtype in (torch.float32, torch.float16):
             register_rows_op()
             rows, slot_mapping = RowTables.build(spans, pool.page_size, pool.null_slot)
             return AttentionMetadata(slot_mapping, (), rows)
@@ -154,7 +155,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_pool.index_copy_(0, slot_mapping, k.to(kv_dtype))
     v_pool.index_copy_(0, slot_mapping, v.to(kv_dtype))
     if rows is not None:
-        out = torch.ops.specserve.paged_attention_rows(q.to(kv_dtype).contiguous(), k_pool, v_pool, rows.seq,
+        out = torch.ops.specserve.paged_attention_rows(q.float().contiguous(), k_pool, v_pool, rows.seq,
                                                        rows.length, rows.slots, scale)
         return out.view(q.shape[0], -1).to(q.dtype)
     q_kv = q.to(kv_dtype)

@@ -43,7 +43,7 @@ class TargetPass:
     def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
                  dtype: torch.dtype = torch.float32) -> None:
         self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization)
-        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", dtype))
+        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", quantization, dtype))
         self.layer_ids = layer_ids
         self.top_k = top_k
         self.pool: KVPool | None = None
