@@ -1,8 +1,9 @@
 """The row-invariant float32 attention op, `torch.ops.specserve.paged_attention_rows`, which the scripted layer
 stack calls for float32 and float16 KV pools. Its kernel (rows.cpp) is compiled for this machine on first use
-(gcc and ninja, explicit -mavx2 -mfma -mf16c rather than -march=native) into torch's extension cache. Where it cannot be built (no
-compiler, a CPU without AVX2) the op is registered with a reference implementation instead: one SDPA call per
-query row over that row's own keys, row-invariant too (every call has the same shape), but slow."""
+(gcc and ninja, explicit -mavx2 -mfma -mf16c rather than -march=native) into torch's extension cache. Where it
+cannot be built (no compiler, a CPU without AVX2) the op is registered with a reference implementation instead:
+one SDPA call per query row over that row's own keys, row-invariant too (every call has the same shape), but
+slow."""
 from __future__ import annotations
 
 import functools
