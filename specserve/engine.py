@@ -60,6 +60,9 @@ class Engine:
                  draft_checkpoint: LoadedCheckpoint | None = None) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}: use one of {', '.join(DTYPES)}")
+        if config.parallel.dp_size != 1:
+            raise ValueError(f"--dp-size {config.parallel.dp_size}: an engine is one replica; `specserve serve` "
+                             "runs replicas behind its HTTP front")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -70,9 +73,6 @@ class Engine:
         quantization = served_quantization(config.quantization, ckpt)
         log.info("quantization: %s%s", quantization, "" if config.quantization else
                  f" (the default for {'quantized' if ckpt.quantized else 'unquantized'} weights)")
-        if config.parallel.dp_size != 1:
-            raise ValueError(f"--dp-size {config.parallel.dp_size}: an engine is one replica; `specserve serve` "
-                             "runs replicas behind its HTTP front")
         if config.parallel.tp_size > 1:
             self.model = TensorParallelModel(ckpt, dtype, quantization, config.parallel, config.num_threads)
         else:
