@@ -117,8 +117,10 @@ def split_pages(memory_bytes: int, page_size: int, geometries: list[KVGeometry])
     return max(memory_bytes // bytes_per_page, 0)
 
 
-def slots_for(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
-    return [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]
+def slots_for(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """[end - start] the pool slots of positions start .. end - 1 of a sequence holding `pages`."""
+    pos = torch.arange(start, end)
+    return torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size
 
 
 def log_pool(name: str, pool: KVPool) -> None:

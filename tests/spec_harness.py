@@ -118,7 +118,7 @@ def poison_free_pages(engine: Engine) -> None:
 
 def committed_kv(pool: KVPool, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the request's committed tokens, [layers, num_computed_tokens, kv_heads, head_dim] each."""
-    slots = torch.tensor(slots_for(req.pages, 0, req.num_computed_tokens, pool.page_size), dtype=torch.long)
+    slots = slots_for(req.pages, 0, req.num_computed_tokens, pool.page_size)
     return pool.k[:, slots].clone(), pool.v[:, slots].clone()
 
 
@@ -357,7 +357,7 @@ def capture_draft_context(engine: Engine) -> dict[str, tuple[list[int], torch.Te
         engine.proposer.flush_context([req])       # the context of the tokens committed since the last block
         n = engine.proposer.context_length(req)
         if req.pages and n:
-            slots = torch.tensor(slots_for(req.pages, 0, n, engine.draft_pool.page_size))
+            slots = slots_for(req.pages, 0, n, engine.draft_pool.page_size)
             captured[req.request_id] = (req.all_token_ids[:n], engine.draft_pool.k[:, slots].clone(),
                                         engine.draft_pool.v[:, slots].clone())
         finish(req, reason)
@@ -375,7 +375,7 @@ def reference_context(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, 
     _, aux = engine.model.forward(torch.tensor(tokens), torch.arange(n), meta, target_pool,
                                   engine.proposer.aux_layer_ids)
     pool = KVPool(engine.draft_pool.geometry, len(pages), page_size)
-    slots = torch.tensor(slots_for(pages, 0, n, page_size))
+    slots = slots_for(pages, 0, n, page_size)
     engine.proposer.drafter.write_context(torch.cat(aux, dim=-1), torch.arange(n), slots, pool)
     return pool.k[:, slots], pool.v[:, slots]
 

@@ -83,7 +83,7 @@ def test_paged_block_forward_matches_dense_reference(tiny_llama, target, qk_norm
     pages = [[6, 2, 4, 0], [5, 7]]                         # out of order on purpose
     auxes = [torch.randn(P, 2 * 64, generator=g, dtype=torch.float64) * 3 for P, _ in seqs]
     for (P, _), aux, pg in zip(seqs, auxes, pages):
-        drafter.write_context(aux, torch.arange(P), torch.tensor(slots_for(pg, 0, P, page_size)), pool)
+        drafter.write_context(aux, torch.arange(P), slots_for(pg, 0, P, page_size), pool)
     meta = AttentionMetadata.build([SeqSpan(pg, P, len(ids), causal=False) for (P, ids), pg in zip(seqs, pages)],
                                    page_size, pool.null_slot)
     ids = [t for _, block in seqs for t in block]

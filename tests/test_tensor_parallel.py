@@ -64,7 +64,7 @@ def capture_full_kv(engine: Engine) -> dict[str, tuple[torch.Tensor, torch.Tenso
     def capturing(req: Request, reason: str) -> None:
         if req.pages:
             k, v = engine.model.gather_kv(engine.pool) if engine.model.tp_size > 1 else (engine.pool.k, engine.pool.v)
-            slots = torch.tensor(slots_for(req.pages, 0, req.num_computed_tokens, engine.pool.page_size))
+            slots = slots_for(req.pages, 0, req.num_computed_tokens, engine.pool.page_size)
             captured[req.request_id] = (k[:, slots].clone(), v[:, slots].clone())
         finish(req, reason)
 

@@ -145,7 +145,7 @@ def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
     aux = torch.randn(1, 9, 2 * 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     pool = KVPool(drafter.kv_geometry, 4, 4)
     anchor, pages = 6, [2, 0, 3]
-    drafter.write_context(aux[0, :anchor], torch.arange(anchor), torch.tensor(slots_for(pages, 0, anchor, 4)), pool)
+    drafter.write_context(aux[0, :anchor], torch.arange(anchor), slots_for(pages, 0, anchor, 4), pool)
     meta = AttentionMetadata.build([SeqSpan(pages, anchor, 3, causal=False)], 4, pool.null_slot)
     mask = ckpt.config.mask_token_id
     paged = drafter.block_hidden(torch.tensor([77, mask, mask]), torch.arange(anchor, anchor + 3), meta, pool)

@@ -231,7 +231,7 @@ class BlockDrafterProposer(CommittedContext):
             return
         aux = torch.cat([a for a, _, _ in parts])
         positions = torch.tensor([p for _, ps, _ in parts for p in ps])
-        slots = torch.tensor([x for _, _, xs in parts for x in xs])
+        slots = torch.cat([xs for _, _, xs in parts])
         context = self.drafter.write_context(aux, positions, slots, self.pool)
         if self.drafter.anchor_proj is not None:
             self.last_context |= {rid: context[row].clone() for rid, row in last_rows.items()}

@@ -104,7 +104,7 @@ class EagleProposer(CommittedContext):
             rows += range(offset, offset + end - s.start)
             tokens += req.all_token_ids[s.start:end]
             positions += range(s.start, end)
-            slots += slots_for(req.pages, s.start, end, self.pool.page_size)
+            slots += slots_for(req.pages, s.start, end, self.pool.page_size).tolist()
             self.num_valid[req.request_id] = end
         if not rows:
             return
