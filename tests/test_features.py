@@ -59,13 +59,14 @@ def test_an_interrupted_build_resumes_to_the_same_files(tiny_llama, sequences, t
 
 
 def test_the_key_changes_with_what_the_rows_depend_on_besides_tokens(tiny_llama):
-    def key(quantization="none", layers=LAYERS, top_k=8):
-        return FeatureCache.key(tiny_llama, TargetPass(tiny_llama, layers, top_k, quantization, torch.float64),
-                                quantization)
+    def key(quantization="none", layers=LAYERS, top_k=8, kv_cache_dtype="auto"):
+        return FeatureCache.key(tiny_llama, TargetPass(tiny_llama, layers, top_k, quantization, torch.float32,
+                                                       kv_cache_dtype), quantization)
 
     base = key()
     assert key() == base
-    assert all(k != base for k in (key(quantization="int8"), key(layers=(1,)), key(top_k=4)))
+    assert all(k != base for k in (key(quantization="int8"), key(layers=(1,)), key(top_k=4),
+                                   key(kv_cache_dtype="float64")))
 
 
 def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp_path, monkeypatch):
@@ -80,7 +81,9 @@ def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp
 
 
 def test_the_target_attends_in_the_dtype_the_engine_serves_it_with(tiny_llama):
-    """int8: a float16 cache; float32 without int8: float32; float64 compute: float64 attention."""
+    """int8: a float16 cache; float32 without int8: float32; float64 compute: float64 attention; unless
+    --kv-cache-dtype says otherwise."""
     assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32).kv_geometry.dtype == torch.float16
     assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float32).kv_geometry.dtype == torch.float32
     assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64).kv_geometry.dtype == torch.float64
+    assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, "float64").kv_geometry.dtype == torch.float64

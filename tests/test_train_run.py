@@ -103,9 +103,10 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     assert EagleCheckpoint.load(tmp_path / "eagle").config.target_layer_ids == (0, 1)
     few = tmp_path / "few.work"
     assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "1", "--max-examples", "3",
-                                                "--work-dir", str(few)])) == 0
+                                                "--work-dir", str(few), "--kv-cache-dtype", "float32"])) == 0
     (index,) = (few / "features").glob("*/index.jsonl")
     assert len(index.read_text().splitlines()) == 3            # only the first three examples were featurised
+    assert json.loads((index.parent / "key.json").read_text())["attention"] == "torch.float32"
     assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "1", "--init-from", str(tmp_path / "out"),
                                                 "--work-dir", str(tmp_path / "again.work")])) == 0
     assert "| initialised from | an exported drafter's weights" in (tmp_path / "out" / "README.md").read_text()

@@ -41,9 +41,9 @@ class TargetPass:
     """The target over whole sequences, causal and unpadded, in the numerics the engine serves it with."""
 
     def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> None:
         self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization)
-        self.kv_geometry = KVGeometry.of(target.config, attention_dtype("auto", quantization, dtype))
+        self.kv_geometry = KVGeometry.of(target.config, attention_dtype(kv_cache_dtype, quantization, dtype))
         self.layer_ids = layer_ids
         self.top_k = top_k
         self.pool: KVPool | None = None

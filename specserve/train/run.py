@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specserve.datasets import jsonl_prompts, load_workload, messages, select_prompts, sharegpt_path, sharegpt_prompts
-from specserve.engine import LLM
+from specserve.engine import KV_CACHE_DTYPES, LLM
 from specserve.loader import LoadedCheckpoint, load_checkpoint
 from specserve.loader.tokenizer import chat_token_ids
 from specserve.models import DTYPES
@@ -42,12 +42,13 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   resume: bool = False, eval_workloads: dict[str, list[list[int]]] | None = None,
                   eval_prompts: int = 8, eval_max_new_tokens: int = 128, source: str = "",
                   quantization: str | None = None,
+                  kv_cache_dtype: str = "auto",
                   features_dir: Path | None = None,
                   max_examples: int | None = None,
                   init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None
                   ) -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
-    quantized weights; cached under `features_dir`, default work_dir/features), calibrate on the held-out
+    quantized weights, attention in `kv_cache_dtype` as the engine's flag; cached under `features_dir`, default work_dir/features), calibrate on the held-out
     ones, export to `out` with its model card: held-out row accuracy against a count bigram, and an
     acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids).
     `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included;
@@ -69,7 +70,8 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                  else build_token_map(train_set, cfg.draft_vocab, target.config.vocab_size))
     trainer = DrafterTrainer(target, cfg, token_map)
     quantization = served_quantization(quantization, target)
-    target_pass = TargetPass(target, trainer.config.target_layer_ids, cfg.target_top_k, quantization, trainer.dtype)
+    target_pass = TargetPass(target, trainer.config.target_layer_ids, cfg.target_top_k, quantization, trainer.dtype,
+                              kv_cache_dtype)
     sequences = [sequence(e) for e in usable]
     cache = FeatureCache.build(features_dir or work_dir / "features",
                                FeatureCache.key(target, target_pass, quantization), sequences, target_pass)
@@ -161,6 +163,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
       help="target probabilities cached per position for the distribution loss")
     a("--quantization", choices=QUANTIZATIONS, default=None,
       help="the target's numerics for its features (default: as served, int8 for quantized weights)")
+    a("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
+      help="the target's attention numerics for its features, as the engine's flag (part of the cache key)")
     a("--features-dir", default=None, help="feature cache root (default: WORK_DIR/features), shareable between runs")
     a("--max-len", type=int, default=d.max_len, help="tokens per training sequence")
     a("--holdout", type=int, default=d.holdout, help="examples kept for calibration (at most a tenth)")
@@ -231,7 +235,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     workloads = (eval_workloads(args.eval_workloads, target.tokenizer, args.eval_prompts, args.max_prompt_tokens)
                  if args.eval_prompts else {})
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
-                  quantization=args.quantization, features_dir=Path(args.features_dir) if args.features_dir else None,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, features_dir=Path(args.features_dir) if args.features_dir else None,
                   max_examples=args.max_examples,
                   init_from=(EagleCheckpoint if cfg.algorithm == "EAGLE" else BlockDrafterCheckpoint).load(
                       args.init_from) if args.init_from else None,
