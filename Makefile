@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	$(PY) -c "from specserve.attention import rows; rows.register()"   # compile the attention kernel now, once
+	$(PY) -c "from specserve import native; native.register()"   # compile the native kernels now, once
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

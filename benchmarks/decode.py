@@ -93,7 +93,7 @@ def bandwidth_gbs() -> float:
 def int8_weight_bytes(llm: LLM) -> int:
     model = llm.engine.model
     linears = [model.head] + [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return sum(lin.q.numel() + 4 * lin.scale.numel() for lin in linears)
+    return sum(lin.weight.numel() + 4 * lin.scale.numel() for lin in linears)
 
 
 def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
@@ -110,8 +110,10 @@ def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int) -> dict[str, fl
         start = time.perf_counter()
         llm.generate([prompt], params)
         profiled_s = time.perf_counter() - start
-    groups = {"int8 matmuls (fbgemm, the LM head included)": ("quantized::linear_dynamic",),
-              "attention (the row-invariant kernel, K/V writes)": ("specserve::paged_attention_rows",
+    groups = {"int8 linears (our kernel: norm or gating, quantization, product; the LM head included)":
+                  ("specserve::int8_linear",),
+              "attention (the row-invariant kernel with rotary and K/V writes)": ("specserve::paged_attention_qkv",
+                                                                                   "specserve::paged_attention_rows",
                                                                     "aten::index_copy_")}
     spent: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():

@@ -45,7 +45,7 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64"
 def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype. auto: float16 under int8 weights (as llama.cpp's default f16 cache: half the bytes to
     stream, and the NLL of held-out answers moved by less than the run-to-run noise, benchmarks/quant_quality.py),
-    else the compute dtype. Float32 and float16 pools attend in the row-invariant kernel (attention/rows.py), so
+    else the compute dtype. Float32 and float16 pools attend in the row-invariant kernel (native/rows.cpp), so
     int8 rounding never sees bits that differ between a decode step and a verify window and speculation
     reproduces plain decoding; float64 pools take the padded-SDPA path."""
     if kv_cache_dtype == "auto":

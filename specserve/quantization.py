@@ -1,15 +1,13 @@
 """int8 linears: per-output-channel 7-bit weights and per-token (per-row) 8-bit activations.
 
-Kernel: fbgemm's dynamic int8 linear (`quantized::linear_dynamic`), picked by measurement on this
-project's machines (benchmarks/int8_kernels.py: ~3x faster than fp32 at one row and nearly flat up to a
-verify window; oneDNN's int8 linear, `torch._int_mm` and torchao's int8 configs were 3-15x slower here).
-That op quantizes its whole input with one scale, which would make a row's result depend on the other
-rows of the batch (and speculation differ from plain decoding). So each row is first divided by its own
-absolute maximum, and two constant columns [1, -1] are appended to every row (their weights are zero): every
-call then sees the range [-1, 1] and quantizes with the same fixed parameters, whatever the batch holds, and
-each output row is multiplied back by its own maximum. The integer products accumulate exactly in int32, so a
-row's output is bit-identical in any batch. (Columns rather than one constant row [1, -1, 0, ...]: the same
-bits, and 5-10% faster, since fbgemm's cost grows with the rows: a decode step is then one row, not two.)
+Kernel: our own, `torch.ops.specserve.int8_linear` (native/int8_linear.cpp; its reference is native/ops.py's).
+One op per linear takes a row through the layer's RMSNorm or SiLU gating, quantizes it with its own scale
+(max|h| / 127), multiplies uint8 activations by int8 weights with exact int32 sums and applies the float scales.
+Each row is computed alone in a fixed order, so a row's output is bit-identical in any batch, and speculation
+reproduces plain decoding. benchmarks/int8_kernels.py measured the candidates on this project's machines: fbgemm's
+dynamic int8 linear (used before, with each row divided by its maximum and two constant columns [1, -1] appended so
+that its one scale per call stayed per row) ran a one-row product at about half the speed a memory read allows and
+needed nine small ops around it; oneDNN's int8 linear, `torch._int_mm` and torchao's int8 configs were 3-15x slower.
 
 Bits: x86 without VNNI multiplies uint8 activations by int8 weights in pairs summed into int16, which
 saturates unless one side gives up a bit (all-ones rows came out 4.5 instead of 576). Activations keep 8 bits
@@ -19,10 +17,12 @@ than the weights' last bit).
 """
 from __future__ import annotations
 
-import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from specserve import native
+from specserve.native.ops import pack, unpack
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("none", "int8")
 TINY = torch.finfo(torch.float32).tiny
 WEIGHT_MAX = 63            # 7-bit weights: see the module docstring
-
-
 def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
     """--quantization: int8 by default for weights stored quantized (a GGUF's Q4_*, Q8_0, K-quants), else none."""
     quantization = requested or ("int8" if ckpt.quantized else "none")
@@ -53,19 +51,13 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,    # [out, in] int8, [out] float32
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        torch.backends.quantized.engine = "fbgemm"
-        self.q, self.scale = q, scale
+        native.register()               # forward calls its op, which must exist before a stack is scripted
+        self.weight = pack(q)
+        self.in_features = q.shape[1]
+        self.weight_sum = q.sum(dim=1, dtype=torch.int32)             # takes the activations' offset back out
+        self.scale = scale.to(torch.float32)
         self.bias = None if bias is None else bias.to(torch.float32)
         self.num_weights = q.numel()
-        zero_points = torch.zeros(len(scale), dtype=torch.long)
-        with warnings.catch_warnings():
-            # quantized tensors are deprecated in torch; the pinned 2.13 has them, and fbgemm's packing needs one
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            padded = torch.cat([q, q.new_zeros(len(q), 2)], dim=1)     # the range columns' zero weights
-            weight = torch._make_per_channel_quantized_tensor(padded, scale.double(), zero_points, 0)
-        self.packed = torch.ops.quantized.linear_prepack(weight, None)
-        self.tiny = TINY                # an attribute: TorchScript reads no module globals
-        self.range_columns = torch.tensor([[1.0, -1.0]])
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -73,18 +65,24 @@ class Int8Linear(torch.nn.Module):
 
     def rows(self, index: torch.Tensor) -> Int8Linear:
         """The same linear restricted to some output rows (a draft vocabulary's slice of an LM head)."""
-        return Int8Linear(self.q[index], self.scale[index], None if self.bias is None else self.bias[index])
+        q = unpack(self.weight, len(self.scale), self.in_features)[index]
+        return Int8Linear(q, self.scale[index], None if self.bias is None else self.bias[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
-        # As few ops as possible: at one row each costs about as much as a tenth of the matmul.
+        return self.project(x, None, 0.0, False)
+
+    def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x, norm_weight) W^T: x [rows, in] → [rows, out]."""
+        return self.project(x, norm_weight, eps, False)
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
+        return self.project(x, None, 0.0, True)
+
+    def project(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, glu: bool) -> torch.Tensor:
         rows = x if x.dtype == torch.float32 else x.to(torch.float32)
-        # abs().amax(): vector_norm(inf) gives the same bits but took 43 us on 8 rows here, against 3
-        peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(self.tiny)
-        # reduce_range=False: full 8-bit activations (the 7-bit weights leave no saturation)
-        scaled = torch.cat([rows / peak, self.range_columns.expand(rows.shape[0], 2)], dim=1)
-        y = torch.ops.quantized.linear_dynamic(scaled, self.packed, False)
-        y.mul_(peak)
-        bias = self.bias
-        if bias is not None:
-            y.add_(bias)
+        if norm_weight is not None and norm_weight.dtype != torch.float32:
+            norm_weight = norm_weight.to(torch.float32)
+        y = torch.ops.specserve.int8_linear(rows, norm_weight, eps, glu, self.weight, self.weight_sum, self.scale,
+                                            self.bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

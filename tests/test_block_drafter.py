@@ -14,7 +14,8 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.models import LlamaModel
 from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, random_block_drafter, weight_shapes
-from specserve.models.layers import Rope, apply_rope, rms_norm
+from specserve.models.layers import Rope, rms_norm
+from specserve.native.ops import apply_rope
 from specserve.types import Proposal, SamplingParams, StepPlan
 from tests.spec_harness import make_engine, record_proposals, run
 

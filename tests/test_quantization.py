@@ -11,6 +11,9 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import LLM
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.llama import LlamaModel
+from specserve import native
+from specserve.models.layers import Linear
+from specserve.native.ops import int8_linear as reference
 from specserve.quantization import WEIGHT_MAX, Int8Linear, quantize_rows
 from tests.gguf_writer import Q, make_tiny_gguf
 
@@ -35,6 +38,50 @@ def test_a_row_gives_the_same_bits_in_any_batch():
     alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
     for start, size in [(0, 2), (3, 5), (0, 8), (7, 9), (0, 17), (1, 33), (0, 40)]:
         assert torch.equal(lin(x[start:start + size]), alone[start:start + size])
+
+
+@pytest.mark.parametrize("form", ["plain", "normed", "glu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_computes_what_the_reference_computes(form, bias):
+    """The same bits where no norm or gating is involved (exact integer sums, the same float epilogue); a width
+    of 100 pads to 128 and leaves a tail past the 8-lane blocks; 13 rows and 7 channels leave partial tiles."""
+    assert native.register()
+    g = torch.Generator().manual_seed(1)
+    lin, _ = random_linear(out=7, inp=100, bias=bias)
+    x = torch.randn(13, 2 * 100 if form == "glu" else 100, generator=g) * 4
+    x[2] = 0
+    x[5, 0] = 90.0                                                              # e^-90 underflows in the sigmoid
+    norm = torch.rand(100, generator=g) + 0.5 if form == "normed" else None
+    args = (norm, 1e-5, form == "glu", lin.weight, lin.weight_sum, lin.scale, lin.bias)
+    got = torch.ops.specserve.int8_linear(x, *args)
+    want = reference(x, *args)
+    if form == "plain":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)   # an activation may round to its neighbour
+    assert torch.equal(got[2], torch.zeros(7) if lin.bias is None else lin.bias)
+
+
+def test_fused_norm_and_gating_give_a_row_the_same_bits_in_any_batch():
+    lin, _ = random_linear(bias=True)
+    down, _ = random_linear(out=32, seed=1)
+    norm = torch.rand(64) + 0.5
+    x, gate_up = torch.randn(20, 64) * 5, torch.randn(20, 128) * 3
+    for fused in (lambda rows: lin.normed(x[rows], norm, 1e-6), lambda rows: down.glu(gate_up[rows])):
+        alone = torch.cat([fused(slice(i, i + 1)) for i in range(20)])
+        for start, size in [(0, 3), (2, 9), (0, 20), (5, 15)]:
+            assert torch.equal(fused(slice(start, start + size)), alone[start:start + size])
+
+
+def test_fused_forms_match_the_float_linear_forms():
+    weight, norm = torch.randn(48, 64) / 8, torch.rand(64) + 0.5
+    x, gate_up = torch.randn(4, 64), torch.randn(4, 128)
+    int8, fp32 = Int8Linear.of(weight), Linear(weight)
+    assert (int8.normed(x, norm, 1e-6) - fp32.normed(x, norm, 1e-6)).norm() / fp32.normed(x, norm, 1e-6).norm() < 0.03
+    wide_weight = torch.randn(48, 64) / 8
+    int8_wide, fp32_wide = Int8Linear.of(wide_weight), Linear(wide_weight)
+    want = fp32_wide.glu(gate_up)
+    assert (int8_wide.glu(gate_up) - want).norm() / want.norm() < 0.03
 
 
 def test_rows_at_the_extremes_do_not_saturate():

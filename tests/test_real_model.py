@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from benchmarks.structured import ALGORITHMS, PROMPTS, SCHEMA, valid
-from specserve.attention import rows
+from specserve import native
 from specserve.drafters import embedded_pair
 from specserve.engine import LLM
 from specserve.loader import default_model_path
@@ -28,7 +28,7 @@ def llm():
 
 def test_the_quantized_gguf_runs_int8_by_default_with_a_float16_cache_and_the_attention_kernel(llm):
     assert llm.engine.model.quantization == "int8" and llm.engine.pool.geometry.dtype == torch.float16
-    assert rows.register(), "the float32 attention kernel is built here"
+    assert native.register(), "the native kernels are built here"
 
 
 def test_greedy_text_equals_transformers_first_64_tokens():

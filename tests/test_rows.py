@@ -1,14 +1,11 @@
-"""The row-invariant attention kernel (attention/rows.cpp via rows.py): built on this machine, equal to the
-reference implementation, and a row's bits depend only on its own query, keys and count: not on the rows beside
-it, nor on whether its keys cross a split."""
-import subprocess
-import sys
-from pathlib import Path
-
+"""The row-invariant attention kernels (native/rows.cpp, references in native/ops.py): equal to the references,
+and a row's bits depend only on its own query, keys and count: not on the rows beside it, nor on whether its keys
+cross a split."""
 import pytest
 import torch
 
-from specserve.attention import rows
+from specserve import native
+from specserve.native import ops
 
 
 def case(num_rows: int, heads: int = 9, kv_heads: int = 3, d: int = 64, slots: int = 3000, seed: int = 0):
@@ -19,26 +16,22 @@ def case(num_rows: int, heads: int = 9, kv_heads: int = 3, d: int = 64, slots: i
     return q, k_pool, v_pool, seq_slots
 
 
-def test_the_kernel_is_built_on_this_machine():
-    assert rows.register(), "the float32 attention kernel did not build here (see the log): gcc, ninja, AVX2?"
-
-
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_the_kernel_computes_what_the_reference_computes(kv_dtype):
     """float16 pools widen exactly as they are read: the reference sees the same rounded values."""
-    rows.register()
+    native.register()
     q, k_pool, v_pool, seq_slots = case(7)
     k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
     # keys 1, 8 and 9 (the vector tail), 511-513 and 1025 (across the 512-key splits), two sequences
     row_seq = torch.tensor([0, 0, 1, 1, 0, 1, 0])
     row_len = torch.tensor([1, 9, 511, 512, 513, 1025, 1500])
     got = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.125)
-    want = rows.reference(q.double(), k_pool.double(), v_pool.double(), row_seq, row_len, seq_slots, 0.125)
+    want = ops.paged_attention_rows(q.double(), k_pool.double(), v_pool.double(), row_seq, row_len, seq_slots, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
-    rows.register()
+    native.register()
     q, k_pool, v_pool, seq_slots = case(6, seed=1)
     row_seq, row_len = torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([700, 64, 701, 1024, 1, 1499])
     batch = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1)
@@ -57,22 +50,27 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
     assert torch.equal(shuffled, batch[order])
 
 
-def test_where_the_kernel_cannot_be_built_the_reference_serves_the_op():
-    """A fresh process on a 'CPU without AVX2': the op is the per-row reference, and still row-invariant."""
-    script = """
-import torch
-from specserve.attention import rows
-from tests.test_rows import case
-rows._has_avx2 = lambda: False
-assert not rows.register()
-q, k_pool, v_pool, seq_slots = case(3, seed=2)
-row_seq, row_len = torch.tensor([0, 1, 0]), torch.tensor([5, 600, 6])
-out = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1)
-assert torch.equal(out, rows.reference(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1))
-alone = torch.ops.specserve.paged_attention_rows(q[1:2], k_pool, v_pool, row_seq[1:2], row_len[1:2], seq_slots, 0.1)
-assert torch.equal(alone[0], out[1])
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "float32 attention runs the slow reference" in done.stderr
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_fused_op_rotates_writes_and_attends_as_the_reference(kv_dtype):
+    """paged_attention_qkv: the same K/V bits written (rotary as ops.apply_rope), the same attention up to
+    rounding; rows of a verify window see each other's new keys."""
+    native.register()
+    heads, kv_heads, d, rows_count = 9, 3, 64, 5
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(rows_count, (heads + 2 * kv_heads) * d, generator=gen)
+    angles = torch.rand(rows_count, d, generator=gen) * 6
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]             # [rows, 1, head_dim], as Rope.tables
+    pools = [(torch.randn(40, kv_heads, d, generator=gen).to(kv_dtype),
+              torch.randn(40, kv_heads, d, generator=gen).to(kv_dtype)) for _ in range(2)]
+    pools[1] = (pools[0][0].clone(), pools[0][1].clone())
+    seq_slots = torch.tensor([[7, 3, 30, 31, 32, 33, 12, 13], [1, 2, 20, 21, 0, 0, 0, 0]])
+    slot_mapping = torch.tensor([31, 32, 33, 20, 21])          # sequence 0: positions 3-5; sequence 1: 2-3
+    row_seq, row_len = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([4, 5, 6, 3, 4])
+    args = (slot_mapping, row_seq, row_len, seq_slots, heads, 0.125)
+    got = torch.ops.specserve.paged_attention_qkv(qkv, cos, sin, *pools[0], *args)
+    want = ops.paged_attention_qkv(qkv, cos, sin, *pools[1], *args)
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = torch.ops.specserve.paged_attention_qkv(qkv[4:], cos[4:], sin[4:], *pools[0], slot_mapping[4:],
+                                                    row_seq[4:], row_len[4:], seq_slots, heads, 0.125)
+    assert torch.equal(alone[0], got[4])

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.rows import register as register_rows_op
+from specserve import native
 from specserve.kv_pages import KVPool, slots_for
 
 # Decode steps, verify windows and short chunks take the grouped layout (a float64 decode step at a 4k context
@@ -109,7 +109,7 @@ class AttentionMetadata:
     def for_pool(spans: list[SeqSpan], pool: KVPool) -> "AttentionMetadata":
         """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32 and float16."""
         if pool.geometry.dtype in (torch.float32, torch.float16):
-            register_rows_op()
+            native.register()
             rows, slot_mapping = RowTables.build(spans, pool.page_size, pool.null_slot)
             return AttentionMetadata(slot_mapping, (), rows)
         return AttentionMetadata.build(spans, pool.page_size, pool.null_slot)

@@ -32,7 +32,8 @@ from specserve.models.drafter_checkpoint import (
     read_drafter_folder,
     save_drafter_folder,
 )
-from specserve.models.layers import Linear, Rope, apply_rope, make_linear, rms_norm
+from specserve.models.layers import Linear, Rope, make_linear, rms_norm
+from specserve.native.ops import apply_rope
 from specserve.models.llama import LlamaModel
 
 ALGORITHM = "EAGLE"

@@ -35,13 +35,6 @@ class Rope:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, heads, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 def transposed(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] → contiguous [in, out]."""
     return weight.t().contiguous()
@@ -81,6 +74,15 @@ class Linear(torch.nn.Module):
         assert packed is not None
         no_scalars = torch.jit.annotate(list[Optional[Union[int, float, complex]]], [])   # the op's Scalar?[]
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
+
+    def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x, norm_weight) W^T (Int8Linear fuses the two)."""
+        return self.forward(rms_norm(x, norm_weight, eps))
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
+        gate, up = x.chunk(2, dim=-1)
+        return self.forward(F.silu(gate) * up)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none",

@@ -11,45 +11,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+using namespace specserve;
+
 namespace {
 
 constexpr int64_t SPLIT = 512;
-
-// e^x for 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); inputs <= 0 here.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 struct Work {
   int64_t row, kv_head, split;
@@ -207,7 +180,72 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
   return attend<uint16_t>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
 }
 
-TORCH_LIBRARY(specserve, m) {
+namespace {
+
+// x rotated by the rotate-half rule (Hugging Face's): x * cos + [-x2, x1] * sin, the same operations as
+// layers.apply_rope, so the same bits
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+template <typename KV>
+inline void store(const float* x, int64_t n, KV* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KV>(x[i]);
+}
+
+}  // namespace
+
+// One layer's attention from its fused QKV projection, in one op: rotary on the Q and K heads, the new K/V written
+// into the pools at slot_mapping, then paged_attention_rows. qkv: [rows, (heads + 2 * kv_heads) * head_dim];
+// cos, sin: [rows, head_dim] (any shape holding that); slot_mapping: [rows] → [rows, heads * head_dim]
+at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                               at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
+                               const at::Tensor& row_seq, const at::Tensor& row_len, const at::Tensor& seq_slots,
+                               int64_t heads, double scale) {
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "paged_attention_qkv takes float32 qkv, cos and sin");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_attention_qkv: K and V pools must be contiguous and share a dtype");
+  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), d = k_pool.size(2);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && cos.numel() == rows * d && sin.numel() == rows * d &&
+              slot_mapping.numel() == rows, "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
+  const bool half = k_pool.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || k_pool.scalar_type() == at::kFloat, "paged_attention_qkv takes float32 or float16 pools");
+  at::Tensor q = at::empty({rows, heads, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  const int64_t slot_size = kv_heads * d;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(slot_size);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = src + r * qkv.size(1);
+      const float *c = cp + r * d, *s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) rotate(x + h * d, c, s, d, qp + (r * heads + h) * d);
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(x + (heads + h) * d, c, s, d, k.data() + h * d);
+      const float* v = x + (heads + kv_heads) * d;
+      const int64_t at = slots[r] * slot_size;
+      if (half) {
+        store(k.data(), slot_size, k_pool.data_ptr<at::Half>() + at);
+        store(v, slot_size, v_pool.data_ptr<at::Half>() + at);
+      } else {
+        store(k.data(), slot_size, k_pool.data_ptr<float>() + at);
+        store(v, slot_size, v_pool.data_ptr<float>() + at);
+      }
+    }
+  });
+  return paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale).view({rows, heads * d});
+}
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+        "Tensor slot_mapping, Tensor row_seq, Tensor row_len, Tensor seq_slots, int heads, float scale) -> Tensor");
+  m.impl("paged_attention_qkv", c10::DispatchKey::CPU, &paged_attention_qkv);
   m.def("paged_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor row_seq, Tensor row_len, "
         "Tensor seq_slots, float scale) -> Tensor");
   m.impl("paged_attention_rows", c10::DispatchKey::CPU, &paged_attention_rows);

@@ -1,0 +1,66 @@
+"""The project's C++ ops (`torch.ops.specserve.*`): the row-invariant attention, alone or with the rotary and the
+K/V write before it (rows.cpp), and the int8 linear (int8_linear.cpp); their schemas and references are in ops.py.
+
+They are compiled together for this machine on first use (gcc and ninja, explicit -mavx2 -mfma -mf16c rather than
+-march=native) into torch's extension cache; `make` does it at install. Where they cannot be built (no compiler, a
+CPU without AVX2) each op is registered with its Python reference instead: row-invariant too, but slow."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specserve.native import ops
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp")]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
+
+
+def references() -> dict[str, tuple[str, Callable]]:
+    """op name → (schema, the Python function computing what its kernel computes)."""
+    return {"paged_attention_rows": (ops.PAGED_ATTENTION_ROWS, ops.paged_attention_rows),
+            "paged_attention_qkv": (ops.PAGED_ATTENTION_QKV, ops.paged_attention_qkv),
+            "int8_linear": (ops.INT8_LINEAR, ops.int8_linear)}
+
+
+@functools.cache
+def register() -> bool:
+    """Make the ops exist (once per process); True when they run the compiled kernels."""
+    if has_avx2():
+        from torch.utils.cpp_extension import load
+
+        start = time.perf_counter()
+        try:
+            load(name="specserve_native", sources=[str(s) for s in SOURCES], is_python_module=False, verbose=False,
+                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+            log.info("native kernels ready in %.1f s", time.perf_counter() - start)
+            return True
+        except Exception as exc:      # no compiler, no ninja, a failed build
+            log.warning("could not build the native kernels (%s): attention and int8 linears run the slow "
+                        "references; --kv-cache-dtype float64 may be faster", exc)
+    else:
+        log.warning("this CPU lacks AVX2, FMA or F16C: attention and int8 linears run the slow references")
+    library = torch.library.Library("specserve", "DEF")
+    for name, (signature, reference) in references().items():
+        library.define(signature)
+        library.impl(name, reference, "CPU")
+    _libraries.append(library)        # the registration lasts as long as the Library object
+    return False
+
+
+_libraries: list[torch.library.Library] = []
+
+
+def has_avx2() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return {"avx2", "fma", "f16c"} <= set(flags)

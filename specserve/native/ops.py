@@ -1,0 +1,79 @@
+"""The C++ ops' schemas, the int8 kernel's weight layout, and Python references: what each kernel computes, which
+the tests compare against and which serve an op where the kernels cannot be built (row-invariant too, but slow)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PAGED_ATTENTION_ROWS = ("paged_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor row_seq, "
+                        "Tensor row_len, Tensor seq_slots, float scale) -> Tensor")
+PAGED_ATTENTION_QKV = ("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
+                       "Tensor(b!) v_pool, Tensor slot_mapping, Tensor row_seq, Tensor row_len, Tensor seq_slots, "
+                       "int heads, float scale) -> Tensor")
+INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_sum, "
+               "Tensor weight_scale, Tensor? bias) -> Tensor")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary with the rotate-half layout (Hugging Face's). x: [num_tokens, heads, head_dim]; cos, sin:
+    [num_tokens, 1, head_dim]. TorchScript-compatible: the layer stack calls it where the fused op does not serve."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
+                         row_len: torch.Tensor, seq_slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """native/rows.cpp's attention, one row at a time. q: [rows, heads, head_dim] → [rows, heads, head_dim]."""
+    out = torch.empty_like(q)
+    for r in range(len(q)):
+        slots = seq_slots[row_seq[r], :row_len[r]]
+        keys = k_pool[slots].to(q.dtype).transpose(0, 1)[None]        # float16 pools widen exactly
+        values = v_pool[slots].to(q.dtype).transpose(0, 1)[None]
+        out[r] = F.scaled_dot_product_attention(q[r][None, :, None], keys, values, scale=scale,
+                                                enable_gqa=True)[0, :, 0]
+    return out
+
+
+def paged_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                        v_pool: torch.Tensor, slot_mapping: torch.Tensor, row_seq: torch.Tensor, row_len: torch.Tensor,
+                        seq_slots: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """native/rows.cpp's fused op: rotary on the Q and K heads of qkv [rows, (heads + 2 * kv_heads) *
+    head_dim], the new K/V written at slot_mapping, then `paged_attention_rows` → [rows, heads * head_dim]."""
+    kv_heads, d = k_pool.shape[1], k_pool.shape[2]
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos.view(-1, 1, d),
+                    sin.view(-1, 1, d))
+    k_pool.index_copy_(0, slot_mapping, qk[:, heads:].to(k_pool.dtype))
+    v_pool.index_copy_(0, slot_mapping, qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d).to(v_pool.dtype))
+    out = paged_attention_rows(qk[:, :heads].contiguous(), k_pool, v_pool, row_seq, row_len, seq_slots, scale)
+    return out.view(len(qkv), -1)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 → the kernel's layout [ceil(out / 4), ceil(in / 32), 4, 32], zero-padded: each block of 4
+    output channels holds their 32 weights of each step side by side, so that a block is one stream to read."""
+    out, inp = q.shape
+    padded = F.pad(q, (0, -inp % 32, 0, -out % 4))
+    return padded.view(padded.shape[0] // 4, 4, -1, 32).transpose(1, 2).contiguous()
+
+
+def unpack(weight: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """`pack`'s inverse: [out, in] int8."""
+    return weight.transpose(1, 2).reshape(-1, weight.shape[1] * 32)[:out, :inp]
+
+
+def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, glu: bool, weight: torch.Tensor,
+                weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """native/int8_linear.cpp (the same bits without a norm or gating; weight_sum is implied by the exact sums). x: [rows, in] float32
+    ([rows, 2 * in] with glu: silu(gate) * up), or its RMSNorm with `norm_weight` → [rows, out]."""
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    elif norm_weight is not None:
+        x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
+    peak = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(peak > 1e-30, 127.0 / peak, torch.zeros_like(peak))
+    q = torch.round(x * inv)                                          # round half to even, as the kernel
+    dots = (q.double() @ unpack(weight, len(weight_scale), x.shape[1]).double().T).to(torch.int32)   # exact: < 2^53
+    y = dots.float() * (peak / 127.0) * weight_scale
+    return y if bias is None else y + bias

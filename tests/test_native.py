@@ -1,0 +1,39 @@
+"""specserve.native: the C++ ops build on this machine, and where they cannot be built each op is its Python
+reference, still row-invariant."""
+import subprocess
+import sys
+from pathlib import Path
+
+from specserve import native
+
+
+def test_the_kernels_are_built_on_this_machine():
+    assert native.register(), "the native kernels did not build here (see the log): gcc, ninja, AVX2?"
+
+
+def test_where_the_kernels_cannot_be_built_the_references_serve_the_ops():
+    """A fresh process on a 'CPU without AVX2'."""
+    script = """
+import torch
+from specserve import native
+from specserve.native import ops
+from specserve.quantization import Int8Linear
+from tests.test_rows import case
+native.has_avx2 = lambda: False
+assert not native.register()
+q, k_pool, v_pool, seq_slots = case(3, seed=2)
+row_seq, row_len = torch.tensor([0, 1, 0]), torch.tensor([5, 600, 6])
+out = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1)
+assert torch.equal(out, ops.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1))
+alone = torch.ops.specserve.paged_attention_rows(q[1:2], k_pool, v_pool, row_seq[1:2], row_len[1:2], seq_slots, 0.1)
+assert torch.equal(alone[0], out[1])
+lin = Int8Linear.of(torch.randn(24, 40), torch.randn(24))
+x = torch.randn(5, 40)
+batch = lin(x)
+assert torch.equal(batch, ops.int8_linear(x, None, 0.0, False, lin.weight, lin.weight_sum, lin.scale, lin.bias))
+assert all(torch.equal(lin(x[i:i + 1])[0], batch[i]) for i in range(5))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "attention and int8 linears run the slow references" in done.stderr
