@@ -141,7 +141,7 @@ struct Product {
 }  // namespace
 
 // x: [rows, in] float32 ([rows, 2 * in] with glu); norm_weight: [in]; weight: [ceil(out / 4), k_pad / 32, 4, 32] int8
-// (k_pad: in rounded up to 32; zero-padded; see quantization.pack); weight_sum: [out] int32; weight_scale: [out]
+// (k_pad: in rounded up to 32; zero-padded; see ops.pack); weight_sum: [out] int32; weight_scale: [out]
 // float32; bias: [out] → [rows, out] float32
 at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& norm_weight, double eps, bool glu,
                        const at::Tensor& weight, const at::Tensor& weight_sum, const at::Tensor& weight_scale,

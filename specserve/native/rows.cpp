@@ -116,9 +116,20 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
         }
         part_max[w * group + h] = top;
         part_sum[w * group + h] = sum8(total) + tail;
-        // Weighted values, 32 output lanes at a time in registers, keys in order.
+        // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
+        // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
         float* acc = part_acc.data() + (w * group + h) * d;
         int64_t i0 = 0;
+        for (; i0 + 64 <= d; i0 += 64) {
+          __m256 a[8];
+          for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const __m256 pj = _mm256_set1_ps(p[jj]);
+            const KV* v = values[jj] + i0;
+            for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+          }
+          for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
+        }
         for (; i0 + 32 <= d; i0 += 32) {
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t jj = 0; jj < n; ++jj) {
