@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("none", "int8")
 TINY = torch.finfo(torch.float32).tiny
 WEIGHT_MAX = 63            # 7-bit weights: see the module docstring
+
+
 def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
     """--quantization: int8 by default for weights stored quantized (a GGUF's Q4_*, Q8_0, K-quants), else none."""
     quantization = requested or ("int8" if ckpt.quantized else "none")
