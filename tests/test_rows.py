@@ -51,6 +51,24 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_row_gives_the_same_bits_wherever_its_keys_sit_in_the_pool(kv_dtype):
+    """Runs of adjacent slots (read in place) and scattered slots (gathered first) give the same bits."""
+    native.register()
+    q, k_pool, v_pool, _ = case(2, slots=1100, seed=2)
+    k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
+    adjacent = torch.arange(1100)[None]
+    where = torch.randperm(1100)
+    k_moved, v_moved = torch.empty_like(k_pool), torch.empty_like(v_pool)
+    k_moved[where], v_moved[where] = k_pool, v_pool
+    row_seq, row_len = torch.tensor([0, 0]), torch.tensor([1100, 517])
+    in_place = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, adjacent, 0.125)
+    gathered = torch.ops.specserve.paged_attention_rows(q, k_moved, v_moved, row_seq, row_len, where[None], 0.125)
+    assert torch.equal(in_place, gathered)
+    want = ops.paged_attention_rows(q.double(), k_pool.double(), v_pool.double(), row_seq, row_len, adjacent, 0.125)
+    torch.testing.assert_close(in_place.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_the_fused_op_rotates_writes_and_attends_as_the_reference(kv_dtype):
     """paged_attention_qkv: the same K/V bits written (rotary as ops.apply_rope), the same attention up to
     rounding; rows of a verify window see each other's new keys."""

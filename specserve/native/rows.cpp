@@ -2,20 +2,23 @@
 // on its query, its keys and values and how many there are, never on the other rows of the batch, the verify
 // window or the prefill chunk beside it. Speculation then reproduces plain decoding bit for bit without float64.
 //
-// Each (row, KV head) pair reads its keys in place from the pool through its sequence's slot table, in splits of
-// SPLIT keys (fixed by key index, so a row's splits are the same in any step); the splits run in parallel (two
-// threads share a 4k-token decode) and are merged in split order. Within a split the scores, exponentials, sums
-// and value products follow one fixed order of AVX2 operations. The pool holds float32 or float16 K/V (widened
-// exactly to float32 as it is read: half the bytes to stream at long contexts).
+// Each row reads its keys in place from the pool through its sequence's slot table, in splits of SPLIT keys (fixed
+// by key index, so a row's splits are the same in any step); the splits run in parallel (two threads share a
+// 4k-token decode) and are merged in split order. A split first streams its slots' K and V into cache in slot
+// order, then scores 8 keys at a time for every head, then weighs the values head by head; within a split the
+// scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The pool holds float32
+// or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long contexts).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "simd.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 using namespace specserve;
@@ -23,9 +26,36 @@ using namespace specserve;
 namespace {
 
 constexpr int64_t SPLIT = 512;
+// Reads every cache line of the n slots' K and V once, in slot order, and returns a value made of them (so that the
+// reads stay). The pool's lines then arrive at the memory's streaming speed, ahead of the passes that use them
+// head by head: those passes, reading straight from memory, ran at a quarter of it at a 4k-token context.
+template <typename KV>
+int32_t touch(const KV* const* key_slots, const KV* const* value_slots, int64_t n, int64_t slot_size) {
+  __m256i seen = _mm256_setzero_si256();
+  const int64_t vectors = slot_size * static_cast<int64_t>(sizeof(KV)) / 32;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256i* k = reinterpret_cast<const __m256i*>(key_slots[j]);
+    const __m256i* v = reinterpret_cast<const __m256i*>(value_slots[j]);
+    for (int64_t b = 0; b < vectors; b += 2) {
+      seen = _mm256_or_si256(seen, _mm256_loadu_si256(k + b));
+      seen = _mm256_or_si256(seen, _mm256_loadu_si256(v + b));
+    }
+  }
+  return _mm256_extract_epi32(seen, 0);
+}
+
+// out[j, :] = slots[j][offset : offset + d] as float32, for j < n.
+template <typename KV>
+void widen(const KV* const* slots, int64_t n, int64_t offset, int64_t d, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* src = slots[j] + offset;
+    float* dst = out + j * d;
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  }
+}
 
 struct Work {
-  int64_t row, kv_head, split;
+  int64_t row, split;
 };
 
 }  // namespace
@@ -40,7 +70,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_rows takes contiguous tensors");
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(d % 8 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 8");
-  const int64_t group = heads / kv_heads, max_keys = seq_slots.size(1);
+  const int64_t group = heads / kv_heads, max_keys = seq_slots.size(1), slot_size = kv_heads * d;
   const float fscale = static_cast<float>(scale);
   const int64_t* seq = row_seq.data_ptr<int64_t>();
   const int64_t* len = row_len.data_ptr<int64_t>();
@@ -50,51 +80,75 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const KV* vp = static_cast<const KV*>(v_pool.data_ptr());
 
   std::vector<Work> work;
-  std::vector<int64_t> first(rows + 1, 0);      // work items of row r: first[r] .. first[r + 1], kv head major
+  std::vector<int64_t> first(rows + 1, 0);      // work items of row r: first[r] .. first[r + 1]
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(len[r] >= 1 && len[r] <= max_keys, "row_len out of range");
-    const int64_t splits = (len[r] + SPLIT - 1) / SPLIT;
     first[r] = static_cast<int64_t>(work.size());
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t s = 0; s < splits; ++s) work.push_back({r, g, s});
+    for (int64_t s = 0; s * SPLIT < len[r]; ++s) work.push_back({r, s});
   }
   first[rows] = static_cast<int64_t>(work.size());
   const int64_t items = first[rows];
-  // per work item and head of its group: the split's max score, sum of exponentials and weighted values
-  std::vector<float> part_max(items * group), part_sum(items * group), part_acc(items * group * d);
+  // per work item and head: the split's max score, sum of exponentials and weighted values
+  std::vector<float> part_max(items * heads), part_sum(items * heads), part_acc(items * heads * d);
 
+  std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * SPLIT);
-    std::vector<const KV*> keys(SPLIT + 8), values(SPLIT);
+    int32_t seen = 0;
+    std::vector<float> scores(heads * SPLIT), widened(8 * d);
+    std::vector<const KV*> key_slots(SPLIT + 8), value_slots(SPLIT);
     for (int64_t w = begin; w < end; ++w) {
       const Work& it = work[w];
       const int64_t lo = it.split * SPLIT, hi = std::min(len[it.row], lo + SPLIT), n = hi - lo;
       const int64_t* row_slots = slots + seq[it.row] * max_keys + lo;
       for (int64_t j = 0; j < n; ++j) {
-        keys[j] = kp + (row_slots[j] * kv_heads + it.kv_head) * d;
-        values[j] = vp + (row_slots[j] * kv_heads + it.kv_head) * d;
+        key_slots[j] = kp + row_slots[j] * slot_size;
+        value_slots[j] = vp + row_slots[j] * slot_size;
       }
-      for (int64_t j = n; j < n + 8; ++j) keys[j] = keys[0];     // padding lanes of the last 8 keys
-      const float* qrow = qp + (it.row * heads + it.kv_head * group) * d;
-      for (int64_t h = 0; h < group; ++h) {
-        // Scores 8 keys at a time, each its own chain of FMAs over head_dim: the same operations for a key
-        // wherever it falls, only more of them in flight.
-        const float* qh = qrow + h * d;
-        float* p = scores.data() + h * SPLIT;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-          __m256 acc[8];
-          for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-          for (int64_t i = 0; i < d; i += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh + i);
-            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(keys[j0 + k] + i), acc[k]);
+      for (int64_t j = n; j < n + 8; ++j) key_slots[j] = key_slots[0];     // padding lanes of the last 8 keys
+      seen |= touch(key_slots.data(), value_slots.data(), n, slot_size);
+      // Scores, 8 keys at a time for every head: each KV head's 8 keys widened once for its query heads, each score
+      // its own chain of FMAs over head_dim, reduced by one transposing sum of 8: the same operations for a key
+      // wherever it falls.
+      float* tops = part_max.data() + w * heads;
+      std::fill(tops, tops + heads, -std::numeric_limits<float>::infinity());
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t m = std::min<int64_t>(8, n - j0);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const float* block = widened.data();      // the 8 keys of KV head g, float32, `stride` apart
+          int64_t stride = d;
+          if (std::is_same_v<KV, float> && m == 8 && row_slots[j0 + 7] - row_slots[j0] == 7) {   // 8 adjacent slots
+            block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;
+            stride = slot_size;
+          } else {
+            widen(key_slots.data() + j0, 8, g * d, d, widened.data());
           }
-          const int64_t m = std::min<int64_t>(8, n - j0);
-          for (int64_t k = 0; k < m; ++k) {
-            p[j0 + k] = sum8(acc[k]) * fscale;
-            top = std::max(top, p[j0 + k]);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const float* qh = qp + (it.row * heads + h) * d;
+            __m256 acc[8];
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+              const __m256 qv = _mm256_loadu_ps(qh + i);
+              for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + k * stride + i), acc[k]);
+            }
+            const __m256 s8 = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(fscale));
+            float* p = scores.data() + h * SPLIT + j0;
+            if (m == 8) {
+              _mm256_storeu_ps(p, s8);
+              tops[h] = std::max(tops[h], max8(s8));
+            } else {
+              alignas(32) float buf[8];
+              _mm256_store_ps(buf, s8);
+              for (int64_t k = 0; k < m; ++k) {
+                p[k] = buf[k];
+                tops[h] = std::max(tops[h], buf[k]);
+              }
+            }
           }
         }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = scores.data() + h * SPLIT;
+        const float top = tops[h];
         const __m256 mv = _mm256_set1_ps(top);
         __m256 total = _mm256_setzero_ps();
         int64_t j = 0;
@@ -114,68 +168,64 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
             tail += e[t - j];
           }
         }
-        part_max[w * group + h] = top;
-        part_sum[w * group + h] = sum8(total) + tail;
-        // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
-        // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
-        float* acc = part_acc.data() + (w * group + h) * d;
+        part_sum[w * heads + h] = sum8(total) + tail;
+      }
+      // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
+      // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* p = scores.data() + h * SPLIT;
+        const int64_t offset = (h / group) * d;
+        float* acc = part_acc.data() + (w * heads + h) * d;
         int64_t i0 = 0;
         for (; i0 + 64 <= d; i0 += 64) {
           __m256 a[8];
           for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
           for (int64_t jj = 0; jj < n; ++jj) {
             const __m256 pj = _mm256_set1_ps(p[jj]);
-            const KV* v = values[jj] + i0;
+            const KV* v = value_slots[jj] + offset + i0;
             for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
           }
           for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
         }
         for (; i0 + 32 <= d; i0 += 32) {
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          __m256 a[4];
+          for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_ps();
           for (int64_t jj = 0; jj < n; ++jj) {
             const __m256 pj = _mm256_set1_ps(p[jj]);
-            const KV* v = values[jj] + i0;
-            a0 = _mm256_fmadd_ps(pj, load8(v), a0);
-            a1 = _mm256_fmadd_ps(pj, load8(v + 8), a1);
-            a2 = _mm256_fmadd_ps(pj, load8(v + 16), a2);
-            a3 = _mm256_fmadd_ps(pj, load8(v + 24), a3);
+            const KV* v = value_slots[jj] + offset + i0;
+            for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
           }
-          _mm256_storeu_ps(acc + i0, a0);
-          _mm256_storeu_ps(acc + i0 + 8, a1);
-          _mm256_storeu_ps(acc + i0 + 16, a2);
-          _mm256_storeu_ps(acc + i0 + 24, a3);
+          for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
         }
         for (; i0 < d; i0 += 8) {
           __m256 a0 = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < n; ++jj) a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(values[jj] + i0), a0);
+          for (int64_t jj = 0; jj < n; ++jj)
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(value_slots[jj] + offset + i0), a0);
           _mm256_storeu_ps(acc + i0, a0);
         }
       }
     }
+    seen_sink += seen;
   });
 
   at::Tensor out = at::empty({rows, heads, d}, q.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t r = u / kv_heads, g = u % kv_heads;
-      const int64_t splits = (first[r + 1] - first[r]) / kv_heads;
-      const int64_t w0 = first[r] + g * splits;
-      for (int64_t h = 0; h < group; ++h) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < splits; ++s) m = std::max(m, part_max[(w0 + s) * group + h]);
-        float total = 0.0f;
-        float* o = op + (r * heads + g * group + h) * d;
-        std::fill(o, o + d, 0.0f);
-        for (int64_t s = 0; s < splits; ++s) {
-          const float f = std::exp(part_max[(w0 + s) * group + h] - m);
-          total += f * part_sum[(w0 + s) * group + h];
-          const float* a = part_acc.data() + ((w0 + s) * group + h) * d;
-          for (int64_t i = 0; i < d; ++i) o[i] += f * a[i];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+      const int64_t r = u / heads, h = u % heads, w0 = first[r], splits = first[r + 1] - w0;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) m = std::max(m, part_max[(w0 + s) * heads + h]);
+      float total = 0.0f;
+      float* o = op + u * d;
+      std::fill(o, o + d, 0.0f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float f = std::exp(part_max[(w0 + s) * heads + h] - m);
+        total += f * part_sum[(w0 + s) * heads + h];
+        const float* a = part_acc.data() + ((w0 + s) * heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] += f * a[i];
       }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
     }
   });
   return out;
