@@ -96,6 +96,8 @@ class KVPool:
         shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_dim)
         self.k = torch.zeros(shape, dtype=geometry.dtype)
         self.v = torch.zeros(shape, dtype=geometry.dtype)
+        # each layer's view, made once: taking k[i] inside the scripted layer stack is an op per layer and step
+        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, kv_heads, head_dim], rounded to the pool's dtype

@@ -70,21 +70,25 @@ class Int8Linear(torch.nn.Module):
         q = unpack(self.weight, len(self.scale), self.in_features)[index]
         return Int8Linear(q, self.scale[index], None if self.bias is None else self.bias[index])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
-        return self.project(x, None, 0.0, False)
+    def forward(self, x: torch.Tensor,                        # [rows, in] → [rows, out]
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:    # [rows, out], added when given
+        return self.project(x, None, 0.0, False, residual)
 
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x, norm_weight) W^T: x [rows, in] → [rows, out]."""
         return self.project(x, norm_weight, eps, False)
 
-    def glu(self, x: torch.Tensor) -> torch.Tensor:
-        """(silu(gate) * up) W^T for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
-        return self.project(x, None, 0.0, True)
+    def glu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(silu(gate) * up) W^T (+ residual) for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
+        return self.project(x, None, 0.0, True, residual)
 
-    def project(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, glu: bool) -> torch.Tensor:
-        rows = x if x.dtype == torch.float32 else x.to(torch.float32)
+    def project(self, x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, glu: bool,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if norm_weight is not None and norm_weight.dtype != torch.float32:
             norm_weight = norm_weight.to(torch.float32)
-        y = torch.ops.specserve.int8_linear(rows, norm_weight, eps, glu, self.weight, self.weight_sum, self.scale,
-                                            self.bias)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype == torch.float32:
+            return torch.ops.specserve.int8_linear(x, norm_weight, eps, glu, self.weight, self.weight_sum,
+                                                   self.scale, self.bias, residual)
+        y = torch.ops.specserve.int8_linear(x.to(torch.float32), norm_weight, eps, glu, self.weight, self.weight_sum,
+                                            self.scale, self.bias, None).to(x.dtype)
+        return y if residual is None else residual + y

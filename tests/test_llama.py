@@ -93,7 +93,7 @@ def test_scripted_layer_stack_equals_the_eager_layers_bit_for_bit(quantization, 
             meta = AttentionMetadata.for_pool([span], pool)
             positions = torch.arange(span.start, span.start + span.num_new)
             cos, sin = model.rope.tables(positions)
-            x, aux = stack(model.embed[torch.tensor(ids)], cos, sin, pool.k, pool.v, meta.slot_mapping,
+            x, aux = stack(model.embed[torch.tensor(ids)], cos, sin, pool.k_layers, pool.v_layers, meta.slot_mapping,
                            list(meta.chunks), meta.rows, [0])
             outs.append((x, aux[0]))
     half = len(outs) // 2

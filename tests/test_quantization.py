@@ -62,6 +62,23 @@ def test_the_kernel_computes_what_the_reference_computes(form, bias):
     assert torch.equal(got[2], torch.zeros(7) if lin.bias is None else lin.bias)
 
 
+@pytest.mark.parametrize("form", ["plain", "glu"])
+def test_a_residual_is_added_to_the_result_as_torch_adds_it(form):
+    """The layer's residual stream added in the kernel: the same bits as the unfused `residual + linear(x)`, in
+    the kernel and in its reference, for the float linear too."""
+    native.register()
+    lin, weight = random_linear(out=7, inp=100, bias=True)
+    x = torch.randn(5, 2 * 100 if form == "glu" else 100) * 3
+    residual = torch.randn(5, 7) * 10
+    for linear in (lin, Linear(weight, lin.bias)):
+        call = linear.glu if form == "glu" else linear.forward
+        assert torch.equal(call(x, residual), residual + call(x))
+    args = (None, 0.0, form == "glu", lin.weight, lin.weight_sum, lin.scale, lin.bias)
+    if form == "plain":
+        assert torch.equal(reference(x, *args, residual), residual + reference(x, *args))
+        assert torch.equal(torch.ops.specserve.int8_linear(x, *args, residual), reference(x, *args, residual))
+
+
 def test_fused_norm_and_gating_give_a_row_the_same_bits_in_any_batch():
     lin, _ = random_linear(bias=True)
     down, _ = random_linear(out=32, seed=1)

@@ -66,23 +66,27 @@ class Linear(torch.nn.Module):
         bias = None if self.bias is None else self.bias[index]
         return Linear(self.plain[:, index].t(), bias, plain_single_row=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:    # [rows, in] → [rows, out]
+    def forward(self, x: torch.Tensor,                        # [rows, in] → [rows, out]
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:    # [rows, out], added when given
         plain, packed, bias = self.plain, self.packed, self.bias
         if plain is not None and (packed is None or x.shape[0] <= 2):
             y = x @ plain
-            return y if bias is None else y + bias
-        assert packed is not None
-        no_scalars = torch.jit.annotate(list[Optional[Union[int, float, complex]]], [])   # the op's Scalar?[]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
+            if bias is not None:
+                y = y + bias
+        else:
+            assert packed is not None
+            no_scalars = torch.jit.annotate(list[Optional[Union[int, float, complex]]], [])   # the op's Scalar?[]
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
+        return y if residual is None else residual + y
 
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x, norm_weight) W^T (Int8Linear fuses the two)."""
         return self.forward(rms_norm(x, norm_weight, eps))
 
-    def glu(self, x: torch.Tensor) -> torch.Tensor:
-        """(silu(gate) * up) W^T for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
+    def glu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(silu(gate) * up) W^T (+ residual) for x = [gate | up]: [rows, 2 * in] → [rows, out]."""
         gate, up = x.chunk(2, dim=-1)
-        return self.forward(F.silu(gate) * up)
+        return self.forward(F.silu(gate) * up, residual)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = "none",

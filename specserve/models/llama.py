@@ -37,20 +37,21 @@ class DecoderLayer(torch.nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor,           # [num_tokens, 1, head_dim]
                 k_pool: torch.Tensor, v_pool: torch.Tensor,     # [num_slots, kv_heads, head_dim], this layer's
                 slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables]) -> torch.Tensor:
-        x = x + self.attention(x, cos, sin, k_pool, v_pool, slot_mapping, chunks, rows)
-        return x + self.mlp(x)
+        x = self.attention(x, cos, sin, k_pool, v_pool, slot_mapping, chunks, rows, residual=x)
+        return self.mlp(x, residual=x)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                   v_pool: torch.Tensor, slot_mapping: torch.Tensor, chunks: list[AttentionChunk],
-                  rows: Optional[RowTables]) -> torch.Tensor:
-        """The attention block's contribution to the residual stream (a partial sum under tensor parallelism)."""
+                  rows: Optional[RowTables], residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention block's contribution to the residual stream (a partial sum under tensor parallelism),
+        added to `residual` by the output projection when one is given."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv.normed(x, self.input_norm, self.eps)
         if rows is not None and self.q_norm is None and qkv.dtype == torch.float32:
             # one op for rotary, the K/V write and attention: as ~18 small torch ops they cost more than attending
             return self.o(torch.ops.specserve.paged_attention_qkv(qkv, cos, sin, k_pool, v_pool, slot_mapping,
                                                                   rows.seq, rows.length, rows.slots, heads,
-                                                                  self.scale))
+                                                                  self.scale), residual)
         # Q and K heads side by side: one rotary call for both (at batch 8 the small ops are a third of the step)
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim:].view(-1, kv_heads, head_dim)
@@ -60,11 +61,12 @@ class DecoderLayer(torch.nn.Module):
                            dim=1)
         qk = apply_rope(qk, cos, sin)
         return self.o(paged_attention(qk[:, :heads], qk[:, heads:], v, k_pool, v_pool, slot_mapping, chunks,
-                                      rows, self.scale))
+                                      rows, self.scale), residual)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP block's contribution to the residual stream (a partial sum under tensor parallelism)."""
-        return self.down.glu(self.gate_up.normed(x, self.post_norm, self.eps))
+    def mlp(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The MLP block's contribution to the residual stream (a partial sum under tensor parallelism),
+        added to `residual` by the down projection when one is given."""
+        return self.down.glu(self.gate_up.normed(x, self.post_norm, self.eps), residual)
 
 
 class DecoderStack(torch.nn.Module):
@@ -78,12 +80,12 @@ class DecoderStack(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_pool: torch.Tensor, v_pool: torch.Tensor,    # [layers, num_slots, kv_heads, head_dim]
+                k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],   # [num_slots, kv_heads, head_dim] each
                 slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables],
                 aux_layer_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_pool[i], v_pool[i], slot_mapping, chunks, rows)
+            x = layer(x, cos, sin, k_layers[i], v_layers[i], slot_mapping, chunks, rows)
             if i in aux_layer_ids:
                 aux.append(x)
         return x, aux
@@ -173,7 +175,7 @@ class LlamaModel:
         """`forward` from input vectors x: [num_tokens, hidden] instead of token ids (EAGLE's inputs
         mix the token embedding with a feature)."""
         cos, sin = self.rope.tables(positions)
-        x, aux = self.stack(x, cos, sin, pool.k, pool.v, meta.slot_mapping, list(meta.chunks), meta.rows,
+        x, aux = self.stack(x, cos, sin, pool.k_layers, pool.v_layers, meta.slot_mapping, list(meta.chunks), meta.rows,
                             list(aux_layer_ids))
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps), aux
 

@@ -116,6 +116,7 @@ struct Product {
   const int32_t* w_sum;      // [channels]
   const float* w_scale;      // [channels]
   const float* bias;         // [channels] or null
+  const float* residual;     // [rows, channels] or null
   float* out;                // [rows, channels]
   int64_t channels, k_pad;
 
@@ -126,8 +127,10 @@ struct Product {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4 && c0 + c < channels; ++c) {
         const int64_t j = c0 + c;
-        const float y = static_cast<float>(dots[r][c] - OFFSET * w_sum[j]) * a_scale[r0 + r] * w_scale[j];
-        out[(r0 + r) * channels + j] = bias ? y + bias[j] : y;
+        float y = static_cast<float>(dots[r][c] - OFFSET * w_sum[j]) * a_scale[r0 + r] * w_scale[j];
+        if (bias) y += bias[j];
+        if (residual) y = residual[(r0 + r) * channels + j] + y;
+        out[(r0 + r) * channels + j] = y;
       }
   }
 
@@ -140,16 +143,17 @@ struct Product {
 
 }  // namespace
 
-// x: [rows, in] float32 ([rows, 2 * in] with glu); norm_weight: [in]; weight: [ceil(out / 4), k_pad / 32, 4, 32] int8
-// (k_pad: in rounded up to 32; zero-padded; see ops.pack); weight_sum: [out] int32; weight_scale: [out]
-// float32; bias: [out] → [rows, out] float32
+// x: [rows, in] float32 ([rows, 2 * in] with glu); norm_weight: [in]; weight: [ceil(out / 4), k_pad / 32, 4, 32]
+// int8 (k_pad: in rounded up to 32; zero-padded; see ops.pack); weight_sum: [out] int32; weight_scale: [out]
+// float32; bias: [out]; residual: [rows, out], added to the result (the layer's residual stream) → [rows, out]
 at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& norm_weight, double eps, bool glu,
                        const at::Tensor& weight, const at::Tensor& weight_sum, const at::Tensor& weight_scale,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual_in) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "int8_linear takes [rows, in] float32");
   TORCH_CHECK(!(glu && norm_weight.has_value()), "int8_linear: glu or a norm, not both");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 4 &&
-              weight.size(2) == 4 && weight.size(3) == 32, "int8_linear: weight must be int8 [out / 4, in / 32, 4, 32]");
+              weight.size(2) == 4 && weight.size(3) == 32,
+              "int8_linear: weight must be int8 [out / 4, in / 32, 4, 32]");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), width = x.size(1), n = glu ? width / 2 : width;
   const int64_t channels = weight_scale.numel(), k_pad = weight.size(1) * 32;
@@ -168,6 +172,12 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
   if (bias.has_value()) {
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == channels, "int8_linear: bias must be float32 [out]");
+  }
+  at::Tensor residual;
+  if (residual_in.has_value()) {
+    residual = residual_in->contiguous();
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
+                residual.size(1) == channels, "int8_linear: residual must be float32 [rows, out]");
   }
   std::vector<uint8_t> a(rows * k_pad);
   std::vector<float> a_scale(rows);
@@ -188,8 +198,8 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
   });
   at::Tensor out = at::empty({rows, channels}, x.options());
   const Product p{a.data(), a_scale.data(), weight.data_ptr<int8_t>(), weight_sum.data_ptr<int32_t>(),
-                  weight_scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                  channels, k_pad};
+                  weight_scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                  residual.defined() ? residual.data_ptr<float>() : nullptr, out.data_ptr<float>(), channels, k_pad};
   const int64_t blocks = (channels + 3) / 4;
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t r1 = std::min(rows, r0 + ROW_CHUNK);
@@ -202,6 +212,6 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_sum, "
-        "Tensor weight_scale, Tensor? bias) -> Tensor");
+        "Tensor weight_scale, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
 }

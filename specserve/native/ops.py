@@ -11,7 +11,7 @@ PAGED_ATTENTION_QKV = ("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, 
                        "Tensor(b!) v_pool, Tensor slot_mapping, Tensor row_seq, Tensor row_len, Tensor seq_slots, "
                        "int heads, float scale) -> Tensor")
 INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_sum, "
-               "Tensor weight_scale, Tensor? bias) -> Tensor")
+               "Tensor weight_scale, Tensor? bias, Tensor? residual=None) -> Tensor")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,9 +63,11 @@ def unpack(weight: torch.Tensor, out: int, inp: int) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, glu: bool, weight: torch.Tensor,
-                weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """native/int8_linear.cpp (the same bits without a norm or gating; weight_sum is implied by the exact sums). x: [rows, in] float32
-    ([rows, 2 * in] with glu: silu(gate) * up), or its RMSNorm with `norm_weight` → [rows, out]."""
+                weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """native/int8_linear.cpp (the same bits without a norm or gating; weight_sum is implied by the exact sums).
+    x: [rows, in] float32 ([rows, 2 * in] with glu: silu(gate) * up), or its RMSNorm with `norm_weight` →
+    [rows, out], plus `residual` [rows, out] when given."""
     if glu:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
@@ -76,4 +78,6 @@ def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, g
     q = torch.round(x * inv)                                          # round half to even, as the kernel
     dots = (q.double() @ unpack(weight, len(weight_scale), x.shape[1]).double().T).to(torch.int32)   # exact: < 2^53
     y = dots.float() * (peak / 127.0) * weight_scale
-    return y if bias is None else y + bias
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
