@@ -51,6 +51,25 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_rows_of_one_sequence_share_a_pass_and_keep_their_bits(kv_dtype):
+    """Consecutive rows of one sequence (a verify window, a prefill chunk) are attended together, 16 at a time:
+    each row's bits are those it has alone; lengths cross a split and the 8-key blocks."""
+    native.register()
+    q, k_pool, v_pool, seq_slots = case(21, seed=4)
+    k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
+    seq_slots[0, :600] = torch.arange(600)           # runs of adjacent slots, read in place from float32 pools
+    row_seq = torch.tensor([0] * 20 + [1])
+    row_len = torch.tensor(list(range(505, 525)) + [9])
+    window = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.125)
+    for r in range(21):
+        alone = torch.ops.specserve.paged_attention_rows(q[r:r + 1].contiguous(), k_pool, v_pool, row_seq[r:r + 1],
+                                                         row_len[r:r + 1], seq_slots, 0.125)
+        assert torch.equal(alone[0], window[r]), f"row {r} in its window differs from the row alone"
+    want = ops.paged_attention_rows(q.double(), k_pool.double(), v_pool.double(), row_seq, row_len, seq_slots, 0.125)
+    torch.testing.assert_close(window.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_a_row_gives_the_same_bits_wherever_its_keys_sit_in_the_pool(kv_dtype):
     """Runs of adjacent slots (read in place) and scattered slots (gathered first) give the same bits."""
     native.register()

@@ -54,8 +54,18 @@ void widen(const KV* const* slots, int64_t n, int64_t offset, int64_t d, float* 
   }
 }
 
+// Whether 8 slots follow each other in the pool.
+inline bool adjacent(const int64_t* slots) {
+  for (int k = 1; k < 8; ++k)
+    if (slots[k] != slots[0] + k) return false;
+  return true;
+}
+
+constexpr int64_t ROW_GROUP = 16;    // rows of one sequence that share a pass over a split's keys
+
+// Rows row .. row + rows - 1 (consecutive rows of one sequence: a verify window, a prefill chunk) over one split.
 struct Work {
-  int64_t row, split;
+  int64_t row, rows, split;
 };
 
 }  // namespace
@@ -79,129 +89,149 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const KV* kp = static_cast<const KV*>(k_pool.data_ptr());
   const KV* vp = static_cast<const KV*>(v_pool.data_ptr());
 
-  std::vector<Work> work;
-  std::vector<int64_t> first(rows + 1, 0);      // work items of row r: first[r] .. first[r + 1]
+  // The parts of row r (its splits' partial results): first[r] .. first[r + 1] - 1, in split order.
+  std::vector<int64_t> first(rows + 1, 0);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(len[r] >= 1 && len[r] <= max_keys, "row_len out of range");
-    first[r] = static_cast<int64_t>(work.size());
-    for (int64_t s = 0; s * SPLIT < len[r]; ++s) work.push_back({r, s});
+    first[r + 1] = first[r] + (len[r] + SPLIT - 1) / SPLIT;
   }
-  first[rows] = static_cast<int64_t>(work.size());
-  const int64_t items = first[rows];
-  // per work item and head: the split's max score, sum of exponentials and weighted values
-  std::vector<float> part_max(items * heads), part_sum(items * heads), part_acc(items * heads * d);
+  const int64_t parts = first[rows];
+  std::vector<Work> work;
+  for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
+    int64_t longest = len[r0];
+    for (r1 = r0 + 1; r1 < rows && r1 - r0 < ROW_GROUP && seq[r1] == seq[r0]; ++r1)
+      longest = std::max(longest, len[r1]);
+    for (int64_t s = 0; s * SPLIT < longest; ++s) work.push_back({r0, r1 - r0, s});
+  }
+  const int64_t items = static_cast<int64_t>(work.size());
+  // per part and head: the split's max score, sum of exponentials and weighted values
+  std::vector<float> part_max(parts * heads), part_sum(parts * heads), part_acc(parts * heads * d);
 
   std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     int32_t seen = 0;
-    std::vector<float> scores(heads * SPLIT), widened(8 * d);
+    std::vector<float> scores(ROW_GROUP * heads * SPLIT), widened(8 * d);
     std::vector<const KV*> key_slots(SPLIT + 8), value_slots(SPLIT);
     for (int64_t w = begin; w < end; ++w) {
       const Work& it = work[w];
-      const int64_t lo = it.split * SPLIT, hi = std::min(len[it.row], lo + SPLIT), n = hi - lo;
+      const int64_t lo = it.split * SPLIT;
+      int64_t n_all = 0;                 // keys of the split that some row of the group attends
+      for (int64_t r = it.row; r < it.row + it.rows; ++r) n_all = std::max(n_all, std::min(len[r] - lo, SPLIT));
       const int64_t* row_slots = slots + seq[it.row] * max_keys + lo;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < n_all; ++j) {
         key_slots[j] = kp + row_slots[j] * slot_size;
         value_slots[j] = vp + row_slots[j] * slot_size;
       }
-      for (int64_t j = n; j < n + 8; ++j) key_slots[j] = key_slots[0];     // padding lanes of the last 8 keys
-      seen |= touch(key_slots.data(), value_slots.data(), n, slot_size);
-      // Scores, 8 keys at a time for every head: each KV head's 8 keys widened once for its query heads, each score
-      // its own chain of FMAs over head_dim, reduced by one transposing sum of 8: the same operations for a key
-      // wherever it falls.
-      float* tops = part_max.data() + w * heads;
-      std::fill(tops, tops + heads, -std::numeric_limits<float>::infinity());
-      for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        const int64_t m = std::min<int64_t>(8, n - j0);
+      for (int64_t j = n_all; j < n_all + 8; ++j) key_slots[j] = key_slots[0];     // padding lanes of the last 8 keys
+      seen |= touch(key_slots.data(), value_slots.data(), n_all, slot_size);
+      // Scores, 8 keys at a time for every row and head: each KV head's 8 keys widened once for the group's rows and
+      // query heads, each score its own chain of FMAs over head_dim, reduced by one transposing sum of 8: the same
+      // operations for a key wherever it falls, and a row's lanes past its last key are computed but never used.
+      for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+        if (len[r] <= lo) continue;
+        float* tops = part_max.data() + (first[r] + it.split) * heads;
+        std::fill(tops, tops + heads, -std::numeric_limits<float>::infinity());
+      }
+      for (int64_t j0 = 0; j0 < n_all; j0 += 8) {
         for (int64_t g = 0; g < kv_heads; ++g) {
           const float* block = widened.data();      // the 8 keys of KV head g, float32, `stride` apart
           int64_t stride = d;
-          if (std::is_same_v<KV, float> && m == 8 && row_slots[j0 + 7] - row_slots[j0] == 7) {   // 8 adjacent slots
-            block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;
+          if (std::is_same_v<KV, float> && j0 + 8 <= n_all && adjacent(row_slots + j0)) {
+            block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;     // read in place
             stride = slot_size;
           } else {
             widen(key_slots.data() + j0, 8, g * d, d, widened.data());
           }
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const float* qh = qp + (it.row * heads + h) * d;
-            __m256 acc[8];
-            for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-              const __m256 qv = _mm256_loadu_ps(qh + i);
-              for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + k * stride + i), acc[k]);
-            }
-            const __m256 s8 = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(fscale));
-            float* p = scores.data() + h * SPLIT + j0;
-            if (m == 8) {
-              _mm256_storeu_ps(p, s8);
-              tops[h] = std::max(tops[h], max8(s8));
-            } else {
-              alignas(32) float buf[8];
-              _mm256_store_ps(buf, s8);
-              for (int64_t k = 0; k < m; ++k) {
-                p[k] = buf[k];
-                tops[h] = std::max(tops[h], buf[k]);
+          for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+            const int64_t m = std::min<int64_t>(8, len[r] - lo - j0);
+            if (m <= 0) continue;
+            float* tops = part_max.data() + (first[r] + it.split) * heads;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float* qh = qp + (r * heads + h) * d;
+              __m256 acc[8];
+              for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+              for (int64_t i = 0; i < d; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + i);
+                for (int k = 0; k < 8; ++k)
+                  acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + k * stride + i), acc[k]);
+              }
+              const __m256 s8 = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(fscale));
+              float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT + j0;
+              if (m == 8) {
+                _mm256_storeu_ps(p, s8);
+                tops[h] = std::max(tops[h], max8(s8));
+              } else {
+                alignas(32) float buf[8];
+                _mm256_store_ps(buf, s8);
+                for (int64_t k = 0; k < m; ++k) {
+                  p[k] = buf[k];
+                  tops[h] = std::max(tops[h], buf[k]);
+                }
               }
             }
           }
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* p = scores.data() + h * SPLIT;
-        const float top = tops[h];
-        const __m256 mv = _mm256_set1_ps(top);
-        __m256 total = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-          _mm256_storeu_ps(p + j, e);
-          total = _mm256_add_ps(total, e);
-        }
-        float tail = 0.0f;
-        if (j < n) {
-          alignas(32) float buf[8] = {0};
-          for (int64_t t = j; t < n; ++t) buf[t - j] = p[t] - top;
-          alignas(32) float e[8];
-          _mm256_store_ps(e, exp8(_mm256_load_ps(buf)));
-          for (int64_t t = j; t < n; ++t) {
-            p[t] = e[t - j];
-            tail += e[t - j];
+      for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+        const int64_t n = std::min(len[r] - lo, SPLIT), part = first[r] + it.split;
+        if (n <= 0) continue;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT;
+          const float top = part_max[part * heads + h];
+          const __m256 mv = _mm256_set1_ps(top);
+          __m256 total = _mm256_setzero_ps();
+          int64_t j = 0;
+          for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+            _mm256_storeu_ps(p + j, e);
+            total = _mm256_add_ps(total, e);
           }
-        }
-        part_sum[w * heads + h] = sum8(total) + tail;
-      }
-      // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
-      // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* p = scores.data() + h * SPLIT;
-        const int64_t offset = (h / group) * d;
-        float* acc = part_acc.data() + (w * heads + h) * d;
-        int64_t i0 = 0;
-        for (; i0 + 64 <= d; i0 += 64) {
-          __m256 a[8];
-          for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const __m256 pj = _mm256_set1_ps(p[jj]);
-            const KV* v = value_slots[jj] + offset + i0;
-            for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+          float tail = 0.0f;
+          if (j < n) {
+            alignas(32) float buf[8] = {0};
+            for (int64_t t = j; t < n; ++t) buf[t - j] = p[t] - top;
+            alignas(32) float e[8];
+            _mm256_store_ps(e, exp8(_mm256_load_ps(buf)));
+            for (int64_t t = j; t < n; ++t) {
+              p[t] = e[t - j];
+              tail += e[t - j];
+            }
           }
-          for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
+          part_sum[part * heads + h] = sum8(total) + tail;
         }
-        for (; i0 + 32 <= d; i0 += 32) {
-          __m256 a[4];
-          for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const __m256 pj = _mm256_set1_ps(p[jj]);
-            const KV* v = value_slots[jj] + offset + i0;
-            for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+        // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
+        // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT;
+          const int64_t offset = (h / group) * d;
+          float* acc = part_acc.data() + (part * heads + h) * d;
+          int64_t i0 = 0;
+          for (; i0 + 64 <= d; i0 += 64) {
+            __m256 a[8];
+            for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+            for (int64_t jj = 0; jj < n; ++jj) {
+              const __m256 pj = _mm256_set1_ps(p[jj]);
+              const KV* v = value_slots[jj] + offset + i0;
+              for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+            }
+            for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
           }
-          for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
-        }
-        for (; i0 < d; i0 += 8) {
-          __m256 a0 = _mm256_setzero_ps();
-          for (int64_t jj = 0; jj < n; ++jj)
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(value_slots[jj] + offset + i0), a0);
-          _mm256_storeu_ps(acc + i0, a0);
+          for (; i0 + 32 <= d; i0 += 32) {
+            __m256 a[4];
+            for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_ps();
+            for (int64_t jj = 0; jj < n; ++jj) {
+              const __m256 pj = _mm256_set1_ps(p[jj]);
+              const KV* v = value_slots[jj] + offset + i0;
+              for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+            }
+            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
+          }
+          for (; i0 < d; i0 += 8) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t jj = 0; jj < n; ++jj)
+              a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(value_slots[jj] + offset + i0), a0);
+            _mm256_storeu_ps(acc + i0, a0);
+          }
         }
       }
     }
