@@ -1,19 +1,20 @@
-"""int8 linears: per-output-channel 7-bit weights and per-token (per-row) 8-bit activations.
+"""int8 linears: per-output-channel 8-bit weights and 8-bit activations with one scale per token (row) and group of
+128 inputs.
 
 Kernel: our own, `torch.ops.specserve.int8_linear` (native/int8_linear.cpp; its reference is native/ops.py's).
-One op per linear takes a row through the layer's RMSNorm or SiLU gating, quantizes it with its own scale
-(max|h| / 127), multiplies uint8 activations by int8 weights with exact int32 sums and applies the float scales.
-Each row is computed alone in a fixed order, so a row's output is bit-identical in any batch, and speculation
-reproduces plain decoding. benchmarks/int8_kernels.py measured the candidates on this project's machines: fbgemm's
-dynamic int8 linear (used before, with each row divided by its maximum and two constant columns [1, -1] appended so
-that its one scale per call stayed per row) ran a one-row product at about half the speed a memory read allows and
-needed nine small ops around it; oneDNN's int8 linear, `torch._int_mm` and torchao's int8 configs were 3-15x slower.
+One op per linear takes a row through the layer's RMSNorm or SiLU gating, quantizes it with its own scales
+(max|h| / 127 per group), multiplies int8 activations by int8 weights with exact int32 sums per group and applies
+the float scales. Each row is computed alone in a fixed order, so a row's output is bit-identical in any batch, and
+speculation reproduces plain decoding. benchmarks/int8_kernels.py measured the candidates on this project's
+machines: fbgemm's dynamic int8 linear (used before, with each row divided by its maximum and two constant columns
+[1, -1] appended so that its one scale per call stayed per row) ran a one-row product at about half the speed a
+memory read allows and needed nine small ops around it; oneDNN's int8 linear, `torch._int_mm` and torchao's int8
+configs were 3-15x slower.
 
-Bits: x86 without VNNI multiplies uint8 activations by int8 weights in pairs summed into int16, which
-saturates unless one side gives up a bit (all-ones rows came out 4.5 instead of 576). Activations keep 8 bits
-and weights take 7 ([-63, 63] per row): on held-out ShareGPT answers SmolLM2's NLL rose 2.1% over float32
-that way, against 6.0% for 7-bit activations with 8-bit weights (the activations' per-token outliers cost more
-than the weights' last bit).
+Bits, measured as mean NLL on held-out ShareGPT answers against float32 (SmolLM2-135M, 10 answers): 7-bit weights
+and one activation scale per row, +2.8%; 8-bit weights and one scale per row, +1.7%; 8-bit weights and a scale per
+group of 128, +0.6% (groups of 32: +0.5%). x86 without VNNI sums pairs of uint8 x int8 products into int16 with
+saturation; the kernel multiplies |q| by the weight carrying q's sign, which stays below 2 * 127 * 127 < 32767.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 QUANTIZATIONS = ("none", "int8")
 TINY = torch.finfo(torch.float32).tiny
-WEIGHT_MAX = 63            # 7-bit weights: see the module docstring
+WEIGHT_MAX = 127
 
 
 def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
@@ -56,7 +57,6 @@ class Int8Linear(torch.nn.Module):
         native.register()               # forward calls its op, which must exist before a stack is scripted
         self.weight = pack(q)
         self.in_features = q.shape[1]
-        self.weight_sum = q.sum(dim=1, dtype=torch.int32)             # takes the activations' offset back out
         self.scale = scale.to(torch.float32)
         self.bias = None if bias is None else bias.to(torch.float32)
         self.num_weights = q.numel()
@@ -87,8 +87,8 @@ class Int8Linear(torch.nn.Module):
         if norm_weight is not None and norm_weight.dtype != torch.float32:
             norm_weight = norm_weight.to(torch.float32)
         if x.dtype == torch.float32:
-            return torch.ops.specserve.int8_linear(x, norm_weight, eps, glu, self.weight, self.weight_sum,
-                                                   self.scale, self.bias, residual)
-        y = torch.ops.specserve.int8_linear(x.to(torch.float32), norm_weight, eps, glu, self.weight, self.weight_sum,
-                                            self.scale, self.bias, None).to(x.dtype)
+            return torch.ops.specserve.int8_linear(x, norm_weight, eps, glu, self.weight, self.scale, self.bias,
+                                                   residual)
+        y = torch.ops.specserve.int8_linear(x.to(torch.float32), norm_weight, eps, glu, self.weight, self.scale,
+                                            self.bias, None).to(x.dtype)
         return y if residual is None else residual + y

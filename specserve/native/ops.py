@@ -10,8 +10,9 @@ PAGED_ATTENTION_ROWS = ("paged_attention_rows(Tensor q, Tensor k_pool, Tensor v_
 PAGED_ATTENTION_QKV = ("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, "
                        "Tensor(b!) v_pool, Tensor slot_mapping, Tensor row_seq, Tensor row_len, Tensor seq_slots, "
                        "int heads, float scale) -> Tensor")
-INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_sum, "
-               "Tensor weight_scale, Tensor? bias, Tensor? residual=None) -> Tensor")
+INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_scale, "
+               "Tensor? bias, Tensor? residual=None) -> Tensor")
+ACTIVATION_GROUP = 128          # inputs per activation scale (native/int8_linear.cpp's GROUP)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,21 +64,26 @@ def unpack(weight: torch.Tensor, out: int, inp: int) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, glu: bool, weight: torch.Tensor,
-                weight_sum: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                weight_scale: torch.Tensor, bias: torch.Tensor | None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """native/int8_linear.cpp (the same bits without a norm or gating; weight_sum is implied by the exact sums).
-    x: [rows, in] float32 ([rows, 2 * in] with glu: silu(gate) * up), or its RMSNorm with `norm_weight` →
-    [rows, out], plus `residual` [rows, out] when given."""
+    """native/int8_linear.cpp (the same bits without a norm or gating). x: [rows, in] float32 ([rows, 2 * in] with
+    glu: silu(gate) * up), or its RMSNorm with `norm_weight` → [rows, out], plus `residual` [rows, out] if given."""
     if glu:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     elif norm_weight is not None:
         x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
-    peak = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(peak > 1e-30, 127.0 / peak, torch.zeros_like(peak))
-    q = torch.round(x * inv)                                          # round half to even, as the kernel
-    dots = (q.double() @ unpack(weight, len(weight_scale), x.shape[1]).double().T).to(torch.int32)   # exact: < 2^53
-    y = dots.float() * (peak / 127.0) * weight_scale
+    rows, n = x.shape
+    w = unpack(weight, len(weight_scale), n).double()
+    y = torch.zeros(rows, len(weight_scale))
+    for g0 in range(0, n, ACTIVATION_GROUP):
+        h = x[:, g0:g0 + ACTIVATION_GROUP]
+        peak = h.abs().amax(dim=-1, keepdim=True)
+        inv = torch.where(peak > 1e-30, 127.0 / peak, torch.zeros_like(peak))
+        q = torch.round(h * inv)                                      # round half to even, as the kernel
+        dots = (q.double() @ w[:, g0:g0 + ACTIVATION_GROUP].T).to(torch.int32)    # exact: < 2^53
+        y = y + dots.float() * (peak / 127.0)
+    y = y * weight_scale
     if bias is not None:
         y = y + bias
     return y if residual is None else residual + y
