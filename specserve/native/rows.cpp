@@ -4,9 +4,10 @@
 //
 // Each row reads its keys in place from the pool through its sequence's slot table, in splits of SPLIT keys (fixed
 // by key index, so a row's splits are the same in any step); the splits run in parallel (two threads share a
-// 4k-token decode) and are merged in split order. A split first streams its slots' K and V into cache in slot
-// order, then scores 8 keys at a time for every head, then weighs the values head by head; within a split the
-// scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The pool holds float32
+// 4k-token decode) and are merged in split order. Consecutive rows of one sequence (a verify window, a prefill
+// chunk) share the work on a split, up to ROW_GROUP of them: it first streams the split's K and V into cache in slot
+// order, then scores 8 keys at a time for every row and head, then weighs the values row by row and head by head.
+// For each row the scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The pool holds float32
 // or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long contexts).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,8 @@ using namespace specserve;
 namespace {
 
 constexpr int64_t SPLIT = 512;
+constexpr int64_t ROW_GROUP = 16;    // rows of one sequence that share a pass over a split's keys
+
 // Reads every cache line of the n slots' K and V once, in slot order, and returns a value made of them (so that the
 // reads stay). The pool's lines then arrive at the memory's streaming speed, ahead of the passes that use them
 // head by head: those passes, reading straight from memory, ran at a quarter of it at a 4k-token context.
@@ -60,8 +63,6 @@ inline bool adjacent(const int64_t* slots) {
     if (slots[k] != slots[0] + k) return false;
   return true;
 }
-
-constexpr int64_t ROW_GROUP = 16;    // rows of one sequence that share a pass over a split's keys
 
 // Rows row .. row + rows - 1 (consecutive rows of one sequence: a verify window, a prefill chunk) over one split.
 struct Work {
