@@ -15,6 +15,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -98,11 +99,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   }
   const int64_t parts = first[rows];
   std::vector<Work> work;
+  int64_t group_rows = 1, split_keys = 1;      // the most rows in a group and keys in a split: the score buffer's size
+  // a verify window alone still spreads over the threads
+  const int64_t cap = std::clamp<int64_t>((rows + at::get_num_threads() - 1) / at::get_num_threads(), 1, ROW_GROUP);
   for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
     int64_t longest = len[r0];
-    for (r1 = r0 + 1; r1 < rows && r1 - r0 < ROW_GROUP && seq[r1] == seq[r0]; ++r1)
+    for (r1 = r0 + 1; r1 < rows && r1 - r0 < cap && seq[r1] == seq[r0]; ++r1)
       longest = std::max(longest, len[r1]);
     for (int64_t s = 0; s * SPLIT < longest; ++s) work.push_back({r0, r1 - r0, s});
+    group_rows = std::max(group_rows, r1 - r0);
+    split_keys = std::max(split_keys, std::min(longest, SPLIT));
   }
   const int64_t items = static_cast<int64_t>(work.size());
   // per part and head: the split's max score, sum of exponentials and weighted values
@@ -111,7 +117,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     int32_t seen = 0;
-    std::vector<float> scores(ROW_GROUP * heads * SPLIT), widened(8 * d);
+    std::vector<float> scores(group_rows * heads * split_keys), widened(8 * d);
     std::vector<const KV*> key_slots(SPLIT + 8), value_slots(SPLIT);
     for (int64_t w = begin; w < end; ++w) {
       const Work& it = work[w];
@@ -157,7 +163,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
                   acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + k * stride + i), acc[k]);
               }
               const __m256 s8 = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(fscale));
-              float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT + j0;
+              float* p = scores.data() + ((r - it.row) * heads + h) * split_keys + j0;
               if (m == 8) {
                 _mm256_storeu_ps(p, s8);
                 tops[h] = std::max(tops[h], max8(s8));
@@ -177,7 +183,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
         const int64_t n = std::min(len[r] - lo, SPLIT), part = first[r] + it.split;
         if (n <= 0) continue;
         for (int64_t h = 0; h < heads; ++h) {
-          float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT;
+          float* p = scores.data() + ((r - it.row) * heads + h) * split_keys;
           const float top = part_max[part * heads + h];
           const __m256 mv = _mm256_set1_ps(top);
           __m256 total = _mm256_setzero_ps();
@@ -203,7 +209,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
         // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
         // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
         for (int64_t h = 0; h < heads; ++h) {
-          const float* p = scores.data() + ((r - it.row) * heads + h) * SPLIT;
+          const float* p = scores.data() + ((r - it.row) * heads + h) * split_keys;
           const int64_t offset = (h / group) * d;
           float* acc = part_acc.data() + (part * heads + h) * d;
           int64_t i0 = 0;
