@@ -93,7 +93,7 @@ class SpecConfig:
     dspark_block_cost: float | None = field(default=None, metadata=flag(
         "--speculative-dspark-block-cost",
         help="a block row's time over a target row's, for the planner (default: the ratio of the weights each "
-             "multiplies through)"))
+             "multiplies through, plus the blocks' measured time beyond it)"))
     token_map_path: str | None = field(default=None, metadata=flag(
         "--speculative-token-map", help="draft vocabulary file (overrides the drafter's)"))
     sampling: str = field(default="coupled", metadata=flag(

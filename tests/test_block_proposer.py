@@ -258,6 +258,11 @@ def test_block_cost_defaults_to_the_weights_ratio(tiny_llama, drafters):
     engine = make_engine(tiny_llama, **kw)
     ratio = engine.proposer.drafter.block_row_weights() / engine.model.row_weights()
     assert ratio > 0 and engine.proposer.policy.relative_block_cost == ratio
+    assert engine.proposer.policy.measure_overhead, "by default the blocks' measured overhead counts too"
+    drive(engine, PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert engine.proposer.policy.block_overhead is not None
+    given = make_engine(tiny_llama, **kw, speculative_dspark_block_cost=0.5)
+    assert given.proposer.policy.relative_block_cost == 0.5 and not given.proposer.policy.measure_overhead
     with pytest.raises(ValueError, match="--speculative-dspark-block-cost must be >= 0"):
         make_engine(tiny_llama, **kw, speculative_dspark_block_cost=-1.0)
 

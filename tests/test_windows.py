@@ -172,3 +172,40 @@ def test_the_planner_scales_a_requests_claims_by_what_was_accepted():
     assert planner._calibrated(honest, [0.5, 0.6]) == [0.5, 0.6]          # never scaled up
     planner.release(liar)
     assert planner._calibrated(liar, [0.9]) == [0.9]
+
+
+def test_measured_block_overhead_joins_the_weights_estimate_as_a_running_mean():
+    from specserve.speculative.windows import BudgetPlanner
+
+    cost = CostTable((1, 8), (0.010, 0.024))
+    fixed = BudgetPlanner(cost, relative_block_cost=0.1)
+    fixed.timed(4, 0.5)
+    assert fixed.block_time(4) == pytest.approx(0.1 * cost.time(4)) and fixed.block_overhead is None
+    planner = BudgetPlanner(cost, relative_block_cost=0.1, measure_overhead=True)
+    assert planner.block_time(0) == 0.0 and planner.block_time(4) == pytest.approx(0.1 * cost.time(4))
+    planner.timed(4, 0.1 * cost.time(4) + 0.003)          # 3 ms beyond the weights' share
+    assert planner.block_time(4) == pytest.approx(0.1 * cost.time(4) + 0.003)
+    planner.timed(4, 0.1 * cost.time(4) + 0.008)
+    assert planner.block_overhead == pytest.approx(0.003 + BudgetPlanner.OVERHEAD_WEIGHT * 0.005)
+    planner.timed(8, 0.0)                                    # faster than the estimate: no negative overhead
+    assert planner.block_overhead == pytest.approx(0.004 * (1 - BudgetPlanner.OVERHEAD_WEIGHT))
+
+
+def test_a_block_that_costs_more_than_its_tokens_stops_running():
+    """One request whose block wins 0.3 tokens: free blocks pay, blocks measured at a whole target step do not."""
+    from specserve.speculative import DraftJob
+    from specserve.speculative.windows import BudgetPlanner
+    from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+
+    cost = CostTable((1, 8), (0.010, 0.024))
+    req = Request("a", [1, 2, 3], SamplingParams())
+    plan = StepPlan((ScheduledRequest(req, start=2, num_feed=1, samples=True, max_drafts=4),))
+    job = DraftJob(0, req, 4)
+    verdict = {}
+    for overhead in (0.0, 0.010):
+        planner = BudgetPlanner(cost, relative_block_cost=0.0, measure_overhead=True)
+        planner.observe(req, [0.3, 0.1, 0.05, 0.01])
+        planner.timed(4, overhead)
+        planner.num_steps = 1                               # not a probing step
+        verdict[overhead] = planner.worth_drafting(plan, [job])
+    assert verdict[0.0] == [job] and verdict[0.010] == []

@@ -21,6 +21,7 @@ run yet draft n-grams alone."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,11 +82,12 @@ class BlockDrafterProposer(CommittedContext):
         if spec.dspark_confidence_threshold is not None:
             return cls(drafter, gamma, Threshold(spec.dspark_confidence_threshold), hybrid)
         block_cost = spec.dspark_block_cost
-        if block_cost is None:
-            block_cost = drafter.block_row_weights() / target.model.row_weights()
-        elif not block_cost >= 0.0:
+        if block_cost is not None and not block_cost >= 0.0:
             raise ValueError(f"--speculative-dspark-block-cost must be >= 0 (a ratio of times), got {block_cost}")
-        return cls(drafter, gamma, BudgetPlanner(resolve_cost_table(spec, target), block_cost), hybrid)
+        planner = (BudgetPlanner(resolve_cost_table(spec, target), block_cost) if block_cost is not None else
+                   BudgetPlanner(resolve_cost_table(spec, target),
+                                 drafter.block_row_weights() / target.model.row_weights(), measure_overhead=True))
+        return cls(drafter, gamma, planner, hybrid)
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
@@ -104,9 +106,12 @@ class BlockDrafterProposer(CommittedContext):
         jobs = [DraftJob(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
         jobs = self.policy.worth_drafting(plan, jobs)
+        candidates: dict[int, Candidate] = {}     # by plan index
         if jobs:
+            start = time.perf_counter()
             self.flush_context([job.request for job in jobs])
-        candidates = self._run_block(jobs) if jobs else {}     # by plan index
+            candidates = self._run_block(jobs)
+            self.policy.timed(sum(job.num_drafts for job in jobs), time.perf_counter() - start)
         if self.hybrid is not None:
             self.hybrid.weigh(plan, candidates, self.gamma)
         if not candidates:

@@ -69,6 +69,7 @@ class WindowPolicy(Protocol):
     def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None: ...
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]: ...  # by plan index
     def release(self, req: Request) -> None: ...
+    def timed(self, rows: int, seconds: float) -> None: ...   # a block over `rows` rows took `seconds`, wall clock
 
 
 class AllRows:
@@ -87,6 +88,9 @@ class AllRows:
         return {i: len(c.drafts) for i, c in candidates.items()}
 
     def release(self, req: Request) -> None:
+        pass
+
+    def timed(self, rows: int, seconds: float) -> None:
         pass
 
 
@@ -113,12 +117,17 @@ class BudgetPlanner:
     request, or on a target other than the one it was calibrated for, stops buying rows that do not pay."""
     PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
     PSEUDO_COUNT = 2.0
+    OVERHEAD_WEIGHT = 0.2          # of the newest block in the running mean of the measured overhead
 
-    def __init__(self, cost: CostTable, relative_block_cost: float = 0.0) -> None:
+    def __init__(self, cost: CostTable, relative_block_cost: float = 0.0, measure_overhead: bool = False) -> None:
         self.cost = cost
         # A block over r rows costs about this fraction of a target forward over r rows (by default the
         # weights a row multiplies through, drafter against target: both stream their weights per step).
         self.relative_block_cost = relative_block_cost
+        # With `measure_overhead`, a block also costs what its measured times exceed that estimate by (the
+        # drafter's small ops, its context writes and Python: at batch 1 they outweigh its weights).
+        self.measure_overhead = measure_overhead
+        self.block_overhead: float | None = None   # seconds, a running mean
         self.forecast: dict[str, RowMeans] = {}    # request id → the confidences of its blocks so far
         self.claimed: dict[str, RowMeans] = {}     # request id → confidences of its verified block drafts
         self.held: dict[str, RowMeans] = {}        # request id → acceptance of those drafts (1 or 0)
@@ -169,6 +178,19 @@ class BudgetPlanner:
         for state in (self.forecast, self.claimed, self.held, self.probe_every):
             state.pop(req.request_id, None)
 
+    def timed(self, rows: int, seconds: float) -> None:
+        if not self.measure_overhead:
+            return
+        extra = max(0.0, seconds - self.relative_block_cost * self.cost.time(rows))
+        last = self.block_overhead
+        self.block_overhead = extra if last is None else last + self.OVERHEAD_WEIGHT * (extra - last)
+
+    def block_time(self, rows: int) -> float:
+        """Expected seconds of a block over `rows` rows (0: no block)."""
+        if not rows:
+            return 0.0
+        return self.relative_block_cost * self.cost.time(rows) + (self.block_overhead or 0.0)
+
     def _calibrated(self, req: Request, confidences: list[float]) -> list[float]:
         """Each row's confidence times (accepted + k) / (claimed + k) of the request's verified drafts, capped at 1."""
         claimed, held = self.claimed.get(req.request_id), self.held.get(req.request_id)
@@ -184,9 +206,7 @@ class BudgetPlanner:
     def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
                   must: list[DraftJob], may: list[DraftJob]) -> bool:
         """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block rows."""
-        def block_time(rows: int) -> float:
-            return self.relative_block_cost * self.cost.time(rows) if rows else 0.0
-
+        block_time = self.block_time
         emitting = sum(s.samples for s in plan.scheduled)
         fed = sum(s.num_feed for s in plan.scheduled)
         gain = sum(sum(survivals(forecast[j.index])[:window_of[j.index]]) for j in may)
