@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("none", "int8")
 TINY = torch.finfo(torch.float32).tiny
 WEIGHT_MAX = 127
+# What int8 means in numerics, for caches of what an int8 model computes (the training feature cache): the first
+# scheme (7-bit weights, one activation scale per row) had none, so its caches do not match this one's.
+INT8_SCHEME = "w8-a8-group128"
 
 
 def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.quantization import INT8_SCHEME
 from specserve.train.features import FeatureCache, TargetPass
 from specserve.train.trainer import sequence, usable_examples
 
@@ -67,6 +68,7 @@ def test_the_key_changes_with_what_the_rows_depend_on_besides_tokens(tiny_llama)
     assert key() == base
     assert all(k != base for k in (key(quantization="int8"), key(layers=(1,)), key(top_k=4),
                                    key(kv_cache_dtype="float64")))
+    assert INT8_SCHEME in key(quantization="int8")["quantization"], "a cache of another int8 scheme is not reused"
 
 
 def test_a_larger_set_computes_only_its_new_sequences(tiny_llama, sequences, tmp_path, monkeypatch):

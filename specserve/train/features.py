@@ -23,6 +23,7 @@ from specserve.engine import attention_dtype
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.loader import LoadedCheckpoint
 from specserve.models.llama import LlamaModel
+from specserve.quantization import INT8_SCHEME
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class FeatureCache:
         compute and attention dtypes), the layers and k."""
         source = Path(target.source)
         return {"target": source.name, "target_bytes": source.stat().st_size if source.is_file() else None,
-                "quantization": quantization, "dtype": str(pass_.model.dtype),
+                "quantization": quantization if quantization == "none" else f"{quantization}-{INT8_SCHEME}",
+                "dtype": str(pass_.model.dtype),
                 "attention": str(pass_.kv_geometry.dtype), "layer_ids": list(pass_.layer_ids), "top_k": pass_.top_k}
 
     @staticmethod
