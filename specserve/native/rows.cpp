@@ -58,6 +58,19 @@ void widen(const KV* const* slots, int64_t n, int64_t offset, int64_t d, float* 
   }
 }
 
+// acc[0 .. 8 * V) = sum over keys j < n, in order, of p[j] * values[j][offset ...]: V independent chains of FMAs.
+template <int V, typename KV>
+inline void weigh(const float* p, int64_t n, const KV* const* values, int64_t offset, float* acc) {
+  __m256 a[V];
+  for (int k = 0; k < V; ++k) a[k] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const KV* v = values[j] + offset;
+    for (int k = 0; k < V; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+  }
+  for (int k = 0; k < V; ++k) _mm256_storeu_ps(acc + 8 * k, a[k]);
+}
+
 // Whether 8 slots follow each other in the pool.
 inline bool adjacent(const int64_t* slots) {
   for (int k = 1; k < 8; ++k)
@@ -213,32 +226,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
           const int64_t offset = (h / group) * d;
           float* acc = part_acc.data() + (part * heads + h) * d;
           int64_t i0 = 0;
-          for (; i0 + 64 <= d; i0 += 64) {
-            __m256 a[8];
-            for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
-            for (int64_t jj = 0; jj < n; ++jj) {
-              const __m256 pj = _mm256_set1_ps(p[jj]);
-              const KV* v = value_slots[jj] + offset + i0;
-              for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
-            }
-            for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
-          }
-          for (; i0 + 32 <= d; i0 += 32) {
-            __m256 a[4];
-            for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_ps();
-            for (int64_t jj = 0; jj < n; ++jj) {
-              const __m256 pj = _mm256_set1_ps(p[jj]);
-              const KV* v = value_slots[jj] + offset + i0;
-              for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
-            }
-            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i0 + 8 * k, a[k]);
-          }
-          for (; i0 < d; i0 += 8) {
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t jj = 0; jj < n; ++jj)
-              a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[jj]), load8(value_slots[jj] + offset + i0), a0);
-            _mm256_storeu_ps(acc + i0, a0);
-          }
+          for (; i0 + 64 <= d; i0 += 64) weigh<8>(p, n, value_slots.data(), offset + i0, acc + i0);
+          for (; i0 + 32 <= d; i0 += 32) weigh<4>(p, n, value_slots.data(), offset + i0, acc + i0);
+          for (; i0 < d; i0 += 8) weigh<1>(p, n, value_slots.data(), offset + i0, acc + i0);
         }
       }
     }
