@@ -7,8 +7,9 @@
 // 4k-token decode) and are merged in split order. Consecutive rows of one sequence (a verify window, a prefill
 // chunk) share the work on a split, up to ROW_GROUP of them: it first streams the split's K and V into cache in slot
 // order, then scores 8 keys at a time for every row and head, then weighs the values row by row and head by head.
-// For each row the scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The pool holds float32
-// or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long contexts).
+// For each row the scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The
+// pool holds float32 or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long
+// contexts).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -69,6 +70,18 @@ inline void weigh(const float* p, int64_t n, const KV* const* values, int64_t of
     for (int k = 0; k < V; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
   }
   for (int k = 0; k < V; ++k) _mm256_storeu_ps(acc + 8 * k, a[k]);
+}
+
+// The scaled scores of query q against 8 float32 keys `stride` apart: each its own chain of FMAs over head_dim d,
+// then one transposing sum of the 8.
+inline __m256 score8(const float* q, const float* keys, int64_t stride, int64_t d, float scale) {
+  __m256 acc[8];
+  for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + k * stride + i), acc[k]);
+  }
+  return _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale));
 }
 
 // Whether 8 slots follow each other in the pool.
@@ -167,15 +180,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
             if (m <= 0) continue;
             float* tops = part_max.data() + (first[r] + it.split) * heads;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const float* qh = qp + (r * heads + h) * d;
-              __m256 acc[8];
-              for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-              for (int64_t i = 0; i < d; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + i);
-                for (int k = 0; k < 8; ++k)
-                  acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + k * stride + i), acc[k]);
-              }
-              const __m256 s8 = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(fscale));
+              const __m256 s8 = score8(qp + (r * heads + h) * d, block, stride, d, fscale);
               float* p = scores.data() + ((r - it.row) * heads + h) * split_keys + j0;
               if (m == 8) {
                 _mm256_storeu_ps(p, s8);
