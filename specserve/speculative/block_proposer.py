@@ -81,12 +81,12 @@ class BlockDrafterProposer(CommittedContext):
         hybrid = NgramHybrid(spec.ngram_min, spec.ngram_max) if spec.ngram_hybrid else None
         if spec.dspark_confidence_threshold is not None:
             return cls(drafter, gamma, Threshold(spec.dspark_confidence_threshold), hybrid)
-        block_cost = spec.dspark_block_cost
-        if block_cost is not None and not block_cost >= 0.0:
+        block_cost, measured = spec.dspark_block_cost, spec.dspark_block_cost is None
+        if measured:
+            block_cost = drafter.block_row_weights() / target.model.row_weights()
+        elif not block_cost >= 0.0:
             raise ValueError(f"--speculative-dspark-block-cost must be >= 0 (a ratio of times), got {block_cost}")
-        planner = (BudgetPlanner(resolve_cost_table(spec, target), block_cost) if block_cost is not None else
-                   BudgetPlanner(resolve_cost_table(spec, target),
-                                 drafter.block_row_weights() / target.model.row_weights(), measure_overhead=True))
+        planner = BudgetPlanner(resolve_cost_table(spec, target), block_cost, measure_overhead=measured)
         return cls(drafter, gamma, planner, hybrid)
 
     def attach_pool(self, pool: KVPool) -> None:

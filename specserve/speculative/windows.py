@@ -206,14 +206,13 @@ class BudgetPlanner:
     def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
                   must: list[DraftJob], may: list[DraftJob]) -> bool:
         """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block rows."""
-        block_time = self.block_time
         emitting = sum(s.samples for s in plan.scheduled)
         fed = sum(s.num_feed for s in plan.scheduled)
         gain = sum(sum(survivals(forecast[j.index])[:window_of[j.index]]) for j in may)
         must_rows = sum(j.num_drafts for j in must)
-        without = emitting / (self.cost.time(fed) + block_time(must_rows))
+        without = emitting / (self.cost.time(fed) + self.block_time(must_rows))
         with_may = (emitting + gain) / (self.cost.time(fed + sum(window_of[j.index] for j in may))
-                                        + block_time(must_rows + sum(j.num_drafts for j in may)))
+                                        + self.block_time(must_rows + sum(j.num_drafts for j in may)))
         return with_may > without
 
     def _budget(self, plan: StepPlan, confidences: dict[int, list[float]]) -> dict[int, int]:
