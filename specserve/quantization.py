@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from specserve import native
-from specserve.native.ops import pack, unpack
+from specserve.native.ops import ACTIVATION_GROUP, pack, unpack
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
@@ -33,7 +33,7 @@ TINY = torch.finfo(torch.float32).tiny
 WEIGHT_MAX = 127
 # What int8 means in numerics, for caches of what an int8 model computes (the training feature cache): the first
 # scheme (7-bit weights, one activation scale per row) had none, so its caches do not match this one's.
-INT8_SCHEME = "w8-a8-group128"
+INT8_SCHEME = f"w8-a8-group{ACTIVATION_GROUP}"
 
 
 def served_quantization(requested: str | None, ckpt: LoadedCheckpoint) -> str:
