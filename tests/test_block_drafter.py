@@ -13,9 +13,16 @@ import torch.nn.functional as F
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.models import LlamaModel
-from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, random_block_drafter, weight_shapes
+from specserve.models.block_drafter import (
+    BlockDrafter,
+    BlockDrafterCheckpoint,
+    context_vectors,
+    random_block_drafter,
+    weight_shapes,
+)
 from specserve.models.layers import Rope, rms_norm
 from specserve.native.ops import apply_rope
+from specserve.quantization import Int8Linear
 from specserve.types import Proposal, SamplingParams, StepPlan
 from tests.spec_harness import make_engine, record_proposals, run
 
@@ -92,6 +99,24 @@ def test_paged_block_forward_matches_dense_reference(tiny_llama, target, qk_norm
     hidden = drafter.block_hidden(torch.tensor(ids), torch.tensor(positions), meta, pool)
     want = torch.cat([dense_block(ckpt, target, aux, block) for aux, (_, block) in zip(auxes, seqs)])
     torch.testing.assert_close(hidden, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("context_norm", [True, False])
+def test_an_int8_target_quantizes_fc_only_over_normalised_target_layers(tiny_llama, context_norm):
+    """fc reads the target layers side by side; their scales differ, so it is int8 (a scale per 128 inputs) only
+    when context_norm brings each layer to RMS 1 first. The context it computes stays close to float's."""
+    int8_target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32, quantization="int8")
+    ckpt = random_block_drafter(tiny_llama.config, "DSPARK", context_norm=context_norm, anchor_feature=True)
+    drafter = BlockDrafter(ckpt, int8_target)
+    assert isinstance(drafter.fc, Int8Linear) == context_norm and isinstance(drafter.anchor_proj, Int8Linear)
+    layers = len(ckpt.config.target_layer_ids)
+    scales = torch.logspace(0, 1.3, layers)[:, None]                     # RMS 1 .. 20 across the layers
+    aux = torch.randn(6, layers, ckpt.config.target_hidden_size, generator=torch.Generator().manual_seed(0))
+    aux = (aux * scales).flatten(1)
+    got = drafter.write_context(aux, torch.arange(6), torch.arange(6), KVPool(drafter.kv_geometry, 4, 4))
+    want = context_vectors(ckpt.config, aux, lambda t: t @ ckpt.weights["fc.weight"].T,
+                           ckpt.weights["hidden_norm.weight"])
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 
 def test_engine_drafts_are_the_dense_drafters_argmax(tiny_llama, target, tmp_path):
