@@ -168,11 +168,13 @@ class BlockDrafterProposer(CommittedContext):
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         prev = torch.tensor([job.request.all_token_ids[-1] for job in jobs])
-        for k in range(max(job.num_drafts for job in jobs)):
+        rows = max(job.num_drafts for job in jobs)
+        uniform = all(job.num_drafts == rows for job in jobs)     # then row k of every job is a strided view
+        for k in range(rows):
             active = [j for j, job in enumerate(jobs) if job.num_drafts > k]
-            scores = logits[[offsets[j] + k for j in active]]
+            scores = logits.view(len(jobs), rows, -1)[:, k] if uniform else logits[[offsets[j] + k for j in active]]
             if self.drafter.markov:
-                scores = scores + self.drafter.markov_logits(prev[active])
+                scores = scores + self.drafter.markov_logits(prev if uniform else prev[active])
             top = self.drafter.token_map[scores.argmax(dim=-1)].tolist()
             for row, j in enumerate(active):
                 req = jobs[j].request
