@@ -214,9 +214,6 @@ class BlockDrafter:
         self.model = LlamaModel(layers, {**w, "model.embed_tokens.weight": target.embed}, dtype, shared_head=head,
                                 quantization=quantization)
         self.kv_geometry = KVGeometry.of(layers, dtype)
-        # TorchScript profiles the stack on its first calls: here, not in the first blocks, whose measured time
-        # the budget planner takes as what a block costs.
-        self.model.warm_up(dtype)
         # `fc` reads target layers side by side whose scales differ ~20x: int8 (a scale per 128 inputs) only when
         # context_norm brings each layer to RMS 1 first; otherwise it stays in the compute dtype.
         self.fc = make_linear(w["fc.weight"], quantization=quantization if c.context_norm else "none")

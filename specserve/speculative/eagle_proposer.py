@@ -57,7 +57,9 @@ class EagleProposer(CommittedContext):
             raise ValueError("--speculative-algorithm EAGLE needs --speculative-draft-model-path (an EAGLE folder)")
         ckpt = EagleCheckpoint.load(spec.draft_model_path)
         ckpt.validate(target.config)
-        return cls(EagleDrafter(ckpt, target.model), spec.num_draft_tokens)
+        drafter = EagleDrafter(ckpt, target.model)
+        drafter.model.warm_up(drafter.kv_geometry.dtype)    # TorchScript's profiling calls, before any request
+        return cls(drafter, spec.num_draft_tokens)
 
     def attach_pool(self, pool: KVPool) -> None:
         self.pool = pool
