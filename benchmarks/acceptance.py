@@ -1,8 +1,8 @@
 """Acceptance length (emitted tokens / verify steps, greedy) per workload of every drafter for the embedded
 SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and the DFLASH / EAGLE
-drafters trained for comparison (benchmarks/drafters/). Block windows are verified in full (confidence threshold 0), so the numbers say how
-far each drafter's guesses hold, not how the budget planner trades them against batch cost
-(benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
+drafters trained for comparison (benchmarks/drafters/). Block windows are verified in full (confidence
+threshold 0), so the numbers say how far each drafter's guesses hold, not how the budget planner trades them
+against batch cost (benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
 
     python benchmarks/acceptance.py                      # 30 prompts per workload, 256 new tokens
 
@@ -54,8 +54,8 @@ def main() -> None:
     for algorithm in ("dflash", "eagle"):
         folder = COMPARISON / f"smollm2-135m-{algorithm}"
         parser.add_argument(f"--{algorithm}", default=str(folder) if folder.is_dir() else None,
-                            help=f"{algorithm.upper()} drafter folder (default: {folder.relative_to(COMPARISON.parent.parent)}"
-                                 " if present; skipped if none)")
+                            help=f"{algorithm.upper()} drafter folder (default: "
+                                 f"{folder.relative_to(COMPARISON.parent.parent)} if present; skipped if none)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--num-prompts", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -80,7 +80,8 @@ def main() -> None:
     configs = engines()
     tokenizer = LLM(num_threads=args.threads).tokenizer
     conversations = load_workload("sharegpt") + load_workload("mtbench")
-    prompts = [ids for ids in (chat_token_ids(tokenizer, messages(c[:1], [])) for c in conversations) if len(ids) <= 512]
+    prompts = [ids for ids in (chat_token_ids(tokenizer, messages(c[:1], [])) for c in conversations)
+               if len(ids) <= 512]
     prompts = prompts[:max(batches)]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     results = {label: sweep(label, engine_args, prompts, batches, params, args.threads)
@@ -99,7 +100,8 @@ def main() -> None:
     for rows in results.values():
         for row in rows.values():
             row.pop("token_ids")
-    summary = {"ratio_b1": ratios[batches[0]]["budget"], "min_ratio_vs_plain": min(r["budget"] for r in ratios.values()),
+    summary = {"ratio_b1": ratios[batches[0]]["budget"],
+               "min_ratio_vs_plain": min(r["budget"] for r in ratios.values()),
                "full_window_min_ratio_vs_plain": min(r["full"] for r in ratios.values()), "text_differs": differs}
     print(summary)
     plot(results, batches, RESULTS / "batch_sweep.png")

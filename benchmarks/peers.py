@@ -159,7 +159,8 @@ def qwen(args: argparse.Namespace) -> dict:
     target, draft = fetch_model("qwen2.5-coder-1.5b"), fetch_model("qwen2.5-coder-0.5b")
     rows = {}
     llm, gen = ours(target, args.threads)
-    prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}]) for p in humaneval_prompts(args.qwen_prompts)]
+    prompts = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}])
+               for p in humaneval_prompts(args.qwen_prompts)]
     eos = sorted({llm.tokenizer.eos_token_id, *llm.engine.model_config.eos_token_ids})
     rows["specserve plain"] = measure("qwen specserve plain", prompts, args.qwen_new_tokens, gen)
     del llm

@@ -62,7 +62,8 @@ def run_setting(cache: bool, args: argparse.Namespace, mtbench: list, engine_arg
             texts.append(out.token_ids)
             stats.merge(SpecStats(out.spec.verify_ct, out.spec.num_proposed_drafts,
                                   out.spec.num_accepted_drafts, len(out.token_ids)))
-        results[name] = {"ttft_p50_s": round(statistics.median(ttft), 4), "ttft_mean_s": round(statistics.mean(ttft), 4),
+        results[name] = {"ttft_p50_s": round(statistics.median(ttft), 4),
+                         "ttft_mean_s": round(statistics.mean(ttft), 4),
                          "tokens_per_s": round(tokens / seconds, 2), "accept_length": round(stats.accept_length, 3),
                          "prompts": len(items), "texts": texts}
     if llm.engine.prefix_cache is not None:

@@ -7,7 +7,8 @@ Each algorithm gets its own server process. Per algorithm and concurrency C: C c
 --requests-per-client greedy streaming chat requests of --max-tokens tokens (EOS ignored, so every
 algorithm decodes the same amount); recorded are output-token throughput, TTFT and TPOT p50/p99 and the
 mean acceptance length (usage.spec). `dspark` on the embedded target is the shipped pair (serve's default:
-the packaged drafter, n-gram hybrid on). An algorithm whose server does not start is recorded as unavailable. Summary ratios are speedups over plain decoding (> 1: faster):
+the packaged drafter, n-gram hybrid on). An algorithm whose server does not start is recorded as unavailable.
+Summary ratios are speedups over plain decoding (> 1: faster):
 `<alg>_vs_plain_tpot_c1` = plain TPOT p50 / alg TPOT p50 at concurrency 1 and
 `<alg>_vs_plain_throughput_c16` = alg throughput / plain throughput at concurrency 16; null when missing.
 """

@@ -39,7 +39,8 @@ def test_matches_transformers_on_tiny_random_model(arch):
     hf_cls, hf_cfg = {
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**kw, tie_word_embeddings=True)),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**kw, tie_word_embeddings=False)),
-        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**kw, head_dim=16, tie_word_embeddings=False)),
+        "qwen3": (transformers.Qwen3ForCausalLM,
+                  transformers.Qwen3Config(**kw, head_dim=16, tie_word_embeddings=False)),
     }[arch]
     hf = hf_cls(hf_cfg).eval()
     weights = hf.state_dict()

@@ -7,12 +7,12 @@ import logging
 import pytest
 import torch
 
+from specserve import native
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.engine import LLM
 from specserve.kv_pages import KVGeometry, KVPool
-from specserve.models.llama import LlamaModel
-from specserve import native
 from specserve.models.layers import Linear
+from specserve.models.llama import LlamaModel
 from specserve.native.ops import int8_linear as reference
 from specserve.quantization import WEIGHT_MAX, Int8Linear, quantize_rows
 from tests.gguf_writer import Q, make_tiny_gguf

@@ -33,7 +33,7 @@ def test_ragged_paged_attention_matches_per_sequence_reference(causal, chunk_kv_
     history = {}
     for b, (cached, _, pages) in enumerate(layout):
         if cached:
-            k, v = torch.randn(cached, kv_heads, d, dtype=torch.float64), torch.randn(cached, kv_heads, d, dtype=torch.float64)
+            k, v = (torch.randn(cached, kv_heads, d, dtype=torch.float64) for _ in range(2))
             meta = AttentionMetadata.build([SeqSpan(pages, 0, cached)], page_size, pool.null_slot)
             pool.write(0, meta.slot_mapping, k, v)
             history[b] = (k, v)

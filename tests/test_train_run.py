@@ -61,8 +61,9 @@ def test_eagle_export_loads_in_the_engine_and_decodes_losslessly(tiny_llama, tin
     loaded = EagleCheckpoint.load(tmp_path / "out")
     assert loaded.config == ckpt.config and "token_map" not in loaded.weights
     card = (tmp_path / "out" / "README.md").read_text()
-    for row in ("| algorithm | EAGLE |", "| drafts per step (trained chain) | 4 |", "| draft vocabulary | the target's 257 |",
-                "| target layer ids | [0, 1] |", "| held-out | 3 |", "--speculative-num-draft-tokens 4"):
+    for row in ("| algorithm | EAGLE |", "| drafts per step (trained chain) | 4 |",
+                "| draft vocabulary | the target's 257 |", "| target layer ids | [0, 1] |", "| held-out | 3 |",
+                "--speculative-num-draft-tokens 4"):
         assert row in card
     prompts = [e.prompt_ids for e in tiny_answers[:6]]
     plain = engine(tiny_llama).generate(prompts, GREEDY)

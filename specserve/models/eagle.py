@@ -33,8 +33,8 @@ from specserve.models.drafter_checkpoint import (
     save_drafter_folder,
 )
 from specserve.models.layers import Linear, Rope, make_linear, rms_norm
-from specserve.native.ops import apply_rope
 from specserve.models.llama import LlamaModel
+from specserve.native.ops import apply_rope
 
 ALGORITHM = "EAGLE"
 

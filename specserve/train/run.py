@@ -48,9 +48,10 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None
                   ) -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
-    quantized weights, attention in `kv_cache_dtype` as the engine's flag; cached under `features_dir`, default work_dir/features), calibrate on the held-out
-    ones, export to `out` with its model card: held-out row accuracy against a count bigram, and an
-    acceptance table over `eval_prompts` held-out prompts and the given workloads (chat token ids).
+    quantized weights, attention in `kv_cache_dtype` as the engine's flag; cached under `features_dir`, default
+    work_dir/features), calibrate on the held-out ones, export to `out` with its model card: held-out row
+    accuracy against a count bigram, and an acceptance table over `eval_prompts` held-out prompts and the given
+    workloads (chat token ids).
     `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included;
     `init_from` starts a new run (not a resumed one) from an exported drafter's weights."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +236,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     workloads = (eval_workloads(args.eval_workloads, target.tokenizer, args.eval_prompts, args.max_prompt_tokens)
                  if args.eval_prompts else {})
     train_drafter(target, examples, cfg, out, work_dir, resume=args.resume, eval_workloads=workloads,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, features_dir=Path(args.features_dir) if args.features_dir else None,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  features_dir=Path(args.features_dir) if args.features_dir else None,
                   max_examples=args.max_examples,
                   init_from=(EagleCheckpoint if cfg.algorithm == "EAGLE" else BlockDrafterCheckpoint).load(
                       args.init_from) if args.init_from else None,
