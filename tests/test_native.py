@@ -37,3 +37,15 @@ assert all(torch.equal(lin(x[i:i + 1])[0], batch[i]) for i in range(5))
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "attention and int8 linears run the slow references" in done.stderr
+
+
+def test_a_change_to_a_header_alone_changes_the_build_flags(tmp_path, monkeypatch):
+    """torch rebuilds an extension when its sources or flags change and hashes no header: the headers' digest
+    rides in the flags, so an edit of simd.h alone rebuilds the kernels."""
+    header = tmp_path / "simd.h"
+    header.write_text("inline int a() { return 1; }\n")
+    monkeypatch.setattr(native, "HEADERS", [header])
+    before = native.header_flag()
+    assert before == native.header_flag() and before.startswith("-DSPECSERVE_HEADERS=")
+    header.write_text("inline int a() { return 2; }\n")
+    assert native.header_flag() != before

@@ -7,6 +7,7 @@ CPU without AVX2) each op is registered with its Python reference instead: row-i
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,15 @@ from specserve.native import ops
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
+
+
+def header_flag() -> str:
+    """A define naming the headers' contents: torch rebuilds an extension when its sources or flags change, and
+    hashes no header, so a change to simd.h alone would otherwise load the stale build."""
+    digest = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return f"-DSPECSERVE_HEADERS={digest}"
 
 
 def references() -> dict[str, tuple[str, Callable]]:
@@ -38,7 +47,7 @@ def register() -> bool:
         start = time.perf_counter()
         try:
             load(name="specserve_native", sources=[str(s) for s in SOURCES], is_python_module=False, verbose=False,
-                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+                 extra_cflags=[*CFLAGS, header_flag()], extra_ldflags=["-fopenmp"])
             log.info("native kernels ready in %.1f s", time.perf_counter() - start)
             return True
         except Exception as exc:      # no compiler, no ninja, a failed build
