@@ -39,6 +39,7 @@ demo: $(STAMP) $(MODEL_STAMP)
 	$(PY) -m specserve.demo
 
 test: $(TEST_STAMP) $(MODEL_STAMP)
+	$(PY) -m ruff check specserve tests benchmarks
 	$(PY) -m pytest tests
 
 # Only the peers benchmark needs llama.cpp: built from source (minutes), never part of `make test`, with explicit
