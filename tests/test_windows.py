@@ -208,4 +208,40 @@ def test_a_block_that_costs_more_than_its_tokens_stops_running():
         planner.timed(4, overhead)
         planner.num_steps = 1                               # not a probing step
         verdict[overhead] = planner.worth_drafting(plan, [job])
-    assert verdict[0.0] == [job] and verdict[0.010] == []
+    # the forecast buys one verify row: the block runs that row and SPARE_ROWS more
+    assert verdict[0.0] == [job._replace(num_drafts=1 + BudgetPlanner.SPARE_ROWS)] and verdict[0.010] == []
+
+
+def test_a_block_runs_the_rows_its_forecast_or_recent_windows_may_use():
+    """Rows past what the window can take cost time for nothing: a block drafted on its forecast runs the longer
+    of the forecast's window and the request's recent windows, plus SPARE_ROWS; a request without a forecast runs
+    every row, to measure them. A long window keeps the rows for a while, then they shrink one per block."""
+    from specserve.speculative import DraftJob
+    from specserve.speculative.windows import BudgetPlanner
+    from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+
+    cost = CostTable((1, 8), (0.010, 0.012))
+    known, new = Request("a", [1, 2, 3], SamplingParams()), Request("b", [1, 2, 3], SamplingParams())
+    plan = StepPlan(tuple(ScheduledRequest(r, start=2, num_feed=1, samples=True, max_drafts=8) for r in (known, new)))
+    planner = BudgetPlanner(cost)
+    planner.observe(known, [0.9, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    planner.num_steps = 1                                   # not a probing step
+
+    def rows() -> list[int]:
+        return [j.num_drafts for j in planner.worth_drafting(plan, [DraftJob(0, known, 8), DraftJob(1, new, 8)])]
+
+    window = planner._budget(plan, {0: planner.forecast["a"].means(8)})[0]
+    assert 1 <= window <= 8 - 2 - BudgetPlanner.SPARE_ROWS
+    assert rows() == [window + BudgetPlanner.SPARE_ROWS, 8]
+    planner.verified(known, [0.9] * 7, num_accepted=7)     # a sure chain took a window of 7
+    assert rows() == [8, 8]
+    planner.verified(known, [0.9], num_accepted=0)         # then short windows: the reach fades one per block
+    assert rows() == [min(8, 6 + BudgetPlanner.SPARE_ROWS), 8]
+    for _ in range(8):
+        planner.verified(known, [0.9], num_accepted=0)
+    # the rejections also scale the request's claims down (calibration): the forecast's window is its own again
+    calibrated = planner._calibrated(known, planner.forecast["a"].means(8))
+    window = planner._budget(plan, {0: calibrated})[0]
+    assert rows() == [max(window, 1) + BudgetPlanner.SPARE_ROWS, 8]
+    planner.release(known)
+    assert "a" not in planner.reach
