@@ -326,10 +326,13 @@ class TensorParallelModel:
         if self.closed:
             return
         self.closed = True
-        try:
-            broadcast_command(Stop())
-        except RuntimeError:
-            pass                         # a rank already gone: nothing left to stop there
+        # A broadcast to a dead rank may wait forever (gloo does not always see the closed connection): stop the
+        # ranks by message only while all live; _kill ends the rest.
+        if all(p.is_alive() for p in self.processes):
+            try:
+                broadcast_command(Stop())
+            except RuntimeError:
+                pass                     # a rank died meanwhile: nothing left to stop there
         for p in self.processes:
             p.join(timeout=10)
         self._kill()
