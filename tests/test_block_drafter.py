@@ -119,13 +119,15 @@ def test_an_int8_target_quantizes_fc_only_over_normalised_target_layers(tiny_lla
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 
-def test_engine_drafts_are_the_dense_drafters_argmax(tiny_llama, target, tmp_path):
+@pytest.mark.parametrize("anchor_slot", [False, True])
+def test_engine_drafts_are_the_dense_drafters_argmax(tiny_llama, target, tmp_path, anchor_slot):
     """End to end: each greedy DFLASH proposal equals the argmax of the dense reference over the
     request's tokens at that step (context = all but the anchor), so the proposer's block is
-    non-causal, at the right positions, over a complete and correct context."""
+    non-causal, at the right positions, over a complete and correct context. In DFlash's layout the
+    block has one more slot, the anchor's, and the drafts come from the mask slots after it."""
     token_map = torch.arange(1, 257, 2)
     ckpt = random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, token_map=token_map, seed=4,
-                                dtype=torch.float64)
+                                anchor_slot=anchor_slot, dtype=torch.float64)
     engine = make_engine(tiny_llama, speculative_algorithm="DFLASH", speculative_draft_model_path=save(ckpt, tmp_path),
                          speculative_block_size=6, max_num_batched_tokens=16)
     seen = record_proposals(engine)
@@ -146,8 +148,8 @@ def test_engine_drafts_are_the_dense_drafters_argmax(tiny_llama, target, tmp_pat
                 meta = AttentionMetadata.build([SeqSpan(list(range(16)), 0, context)], 4, pool.null_slot)
                 _, layers = target.forward(torch.tensor(tokens[:-1]), torch.arange(context), meta, pool, ids)
                 aux = torch.cat(layers, dim=-1)
-            block = [tokens[-1]] + [ckpt.config.mask_token_id] * (len(drafts) - 1)
-            logits = target.logits(dense_block(ckpt, target, aux, block))[:, token_map]
+            block = [tokens[-1]] + [ckpt.config.mask_token_id] * (len(drafts) - 1 + anchor_slot)
+            logits = target.logits(dense_block(ckpt, target, aux, block)[anchor_slot:])[:, token_map]
             assert list(drafts) == token_map[logits.argmax(-1)].tolist()
             checked += 1
     assert checked >= 15

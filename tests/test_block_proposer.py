@@ -87,7 +87,7 @@ def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("drafters")
     ckpts = {
         "dflash": random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, qk_norm=True, seed=1,
-                                       dtype=torch.float64),
+                                       anchor_slot=True, dtype=torch.float64),
         "dspark": random_block_drafter(tiny_llama.config, token_map=torch.arange(128) * 2, seed=2, dtype=torch.float64),
         "agree": agreeing_drafter(tiny_llama, [o.token_ids for o in plain.outputs]),
     }

@@ -97,7 +97,9 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     assert cmd_train_drafter(parser.parse_args([*argv, "--max-steps", "5", "--resume"])) == 0
     steps = [json.loads(line)["step"] for line in (work / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
-    assert BlockDrafterCheckpoint.load(tmp_path / "out").config.algorithm == "DFLASH"
+    dflash = BlockDrafterCheckpoint.load(tmp_path / "out").config
+    assert dflash.algorithm == "DFLASH" and dflash.anchor_slot, "DFLASH trains in DFlash's own slot layout"
+    assert "| block slots | DFlash's" in (tmp_path / "out" / "README.md").read_text()
     eagle = [*argv[:argv.index("--out") + 1], str(tmp_path / "eagle"), *argv[argv.index("--out") + 2:]]
     eagle[eagle.index("DFLASH")] = "eagle"
     assert cmd_train_drafter(parser.parse_args([*eagle, "--max-steps", "2", "--work-dir", str(work)])) == 0

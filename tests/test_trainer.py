@@ -133,11 +133,13 @@ def test_dense_chain_forward_equals_the_engine_eagle_proposer(tiny_llama, tmp_pa
     assert checked >= 10
 
 
-def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
-    """The qk-norm path (Qwen3-style drafters), which TrainConfig does not build, against BlockDrafter."""
+@pytest.mark.parametrize("anchor_slot", [False, True])
+def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama, anchor_slot):
+    """The qk-norm path (Qwen3-style drafters), which TrainConfig does not build, against BlockDrafter; in
+    DFlash's layout too, where the anchor's slot runs and its row is left out."""
     target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float64)
     ckpt = random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, block_size=3, qk_norm=True, seed=2,
-                                dtype=torch.float64)
+                                anchor_slot=anchor_slot, dtype=torch.float64)
     for name, weight in ckpt.weights.items():
         if name.endswith("norm.weight"):
             weight.uniform_(0.5, 1.5)
@@ -146,9 +148,11 @@ def test_dense_block_forward_equals_the_paged_block_with_qk_norm(tiny_llama):
     pool = KVPool(drafter.kv_geometry, 4, 4)
     anchor, pages = 6, [2, 0, 3]
     drafter.write_context(aux[0, :anchor], torch.arange(anchor), slots_for(pages, 0, anchor, 4), pool)
-    meta = AttentionMetadata.build([SeqSpan(pages, anchor, 3, causal=False)], 4, pool.null_slot)
+    slots = 3 + anchor_slot
+    meta = AttentionMetadata.build([SeqSpan(pages, anchor, slots, causal=False)], 4, pool.null_slot)
     mask = ckpt.config.mask_token_id
-    paged = drafter.block_hidden(torch.tensor([77, mask, mask]), torch.arange(anchor, anchor + 3), meta, pool)
+    paged = drafter.block_hidden(torch.tensor([77] + [mask] * (slots - 1)), torch.arange(anchor, anchor + slots),
+                                 meta, pool)[anchor_slot:]
     rope = Rope(16, ckpt.config.rope_theta, 512, torch.float64)
     dense = dense_block_forward(ckpt.config, ckpt.weights, target.embed, rope, aux, torch.tensor([[anchor]]),
                                 torch.tensor([[77]]))

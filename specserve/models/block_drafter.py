@@ -1,16 +1,17 @@
 """The block drafter of DFLASH and DSPARK (DESIGN.md §3).
 
-Context: the target's residual stream after `target_layer_ids` is concatenated per committed token
-(with `context_norm`, each layer's stream RMS-normalised first: their scales differ ~20x), projected by
-`fc` and normalised; each draft layer turns it into K/V (RoPE at the token's absolute
-position) in the draft pool. Block: gamma rows, the anchor's embedding then the mask token's, at the
-positions after the context (with `anchor_feature`, each row's input adds `anchor_proj` of the
-context vector of the token before the anchor, the latest the target has seen: a direct path that the
-attention would otherwise have to find); one non-causal forward over them gives hidden states, and row
-k predicts the token at anchor + k + 1. Embedding and LM head are the target's; a token map restricts
-the head to a draft vocabulary of V_d target tokens.
-DSPARK adds a rank-r Markov head (row k's logits += W2(W1[prev_k])) and a confidence head
-(c_k = sigmoid(Linear([h_k; W1[prev_k]]) / T_k)).
+Context: the target's residual stream after `target_layer_ids` is concatenated per committed token (with
+`context_norm`, each layer's stream RMS-normalised first: their scales differ ~20x), projected by `fc` and
+normalised; each draft layer turns it into K/V (RoPE at the token's absolute position) in the draft pool.
+Block: the anchor's embedding then the mask token's, at the positions after the context (with
+`anchor_feature`, each slot's input adds `anchor_proj` of the context vector of the token before the anchor,
+the latest the target has seen: a direct path that the attention would otherwise have to find); one non-causal
+forward over them gives hidden states. Two slot layouts give gamma drafts: gamma slots whose row k predicts
+the token at anchor + k + 1 (DSPARK's), or with `anchor_slot` (DFlash's own) gamma + 1 slots where the mask
+slot at anchor + k predicts the token at anchor + k and the anchor's slot drafts nothing. Either way draft row
+k is the token at anchor + k + 1. Embedding and LM head are the target's; a token map restricts the head to a
+draft vocabulary of V_d target tokens. DSPARK adds a rank-r Markov head (row k's logits += W2(W1[prev_k])) and
+a confidence head (c_k = sigmoid(Linear([h_k; W1[prev_k]]) / T_k)).
 
 The checkpoint is a folder: config.json (the fields of BlockDrafterConfig plus `architectures`) and
 model.safetensors in Hugging Face layout ([out, in] weights); the optional int64 tensor `token_map`
@@ -67,6 +68,7 @@ class BlockDrafterConfig:
     qk_norm: bool = False
     context_norm: bool = False            # RMS-normalise each target layer's stream before fc
     anchor_feature: bool = False          # block rows add anchor_proj(context vector at anchor - 1)
+    anchor_slot: bool = False             # DFlash's layout: the anchor's slot drafts nothing, block_size mask slots do
 
     def to_json(self) -> dict:
         return {"architectures": [ARCHITECTURE], **dataclasses.asdict(self)}
@@ -161,7 +163,7 @@ def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_
                          block_size: int = 16, target_layer_ids: tuple[int, ...] | None = None,
                          markov_rank: int = 8, token_map: torch.Tensor | None = None,
                          mask_token_id: int | None = None, qk_norm: bool = False, context_norm: bool = False,
-                         anchor_feature: bool = False, seed: int = 0,
+                         anchor_feature: bool = False, anchor_slot: bool = False, seed: int = 0,
                          dtype: torch.dtype = torch.float32) -> BlockDrafterCheckpoint:
     """A randomly initialised drafter for `target` (tests, and the starting point of training)."""
     dspark = algorithm == "DSPARK"
@@ -176,7 +178,7 @@ def random_block_drafter(target: ModelConfig, algorithm: str = "DSPARK", *, num_
         markov_rank=markov_rank if dspark else 0,
         confidence_temperatures=(1.0,) * block_size if dspark else (),
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, qk_norm=qk_norm,
-        context_norm=context_norm, anchor_feature=anchor_feature)
+        context_norm=context_norm, anchor_feature=anchor_feature, anchor_slot=anchor_slot)
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
@@ -260,7 +262,7 @@ class BlockDrafter:
 
     def block_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      pool: KVPool, anchor_context: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [n] block rows (spans non-causal); anchor_context: [n, hidden] each row's
+        """input_ids, positions: [n] block slots (spans non-causal); anchor_context: [n, hidden] each slot's
         context vector at its anchor - 1 (anchor_feature only) → final-normed hidden [n, hidden]."""
         x = self.model.embed[input_ids]
         if self.anchor_proj is not None:
@@ -295,14 +297,15 @@ def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed
     """The block forward of BlockDrafter, dense and differentiable in the checkpoint's tensors `w`
     (training). aux: [B, L, len(target_layer_ids) * target hidden] of each sequence's tokens;
     anchors, anchor_ids: [B, A] positions (>= 1) and token ids. Each anchor's block (the anchor, then
-    mask tokens) sees the context of positions < anchor and its own rows, as the paged proposer's does
-    → final-normed hidden [B, A, block_size, hidden].
+    mask tokens) sees the context of positions < anchor and its own slots, as the paged proposer's does
+    → final-normed hidden of the draft rows [B, A, block_size, hidden] (with anchor_slot, the anchor's
+    slot is run and left out).
 
-    Attention is split in two parts that share one softmax: every row against the context ([R, L] scores,
-    masked past the row's anchor) and each block's rows against each other ([A, G, G]), so that a step
+    Attention is split in two parts that share one softmax: every slot against the context ([R, L] scores,
+    masked past the slot's anchor) and each block's slots against each other ([A, G, G]), so that a step
     over every answer position costs R * (L + G) scores rather than the R * (L + R) of one dense mask."""
     B, L, _ = aux.shape
-    A, G = anchors.shape[1], c.block_size
+    A, G = anchors.shape[1], c.block_size + c.anchor_slot     # G: slots per block
     R = A * G
     eps, d, kv_heads = c.rms_norm_eps, c.head_dim, c.num_key_value_heads
     group = c.num_attention_heads // kv_heads
@@ -339,4 +342,4 @@ def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms_norm(x, w["model.norm.weight"], eps).view(B, A, G, -1)
+    return rms_norm(x, w["model.norm.weight"], eps).view(B, A, G, -1)[:, :, c.anchor_slot:]

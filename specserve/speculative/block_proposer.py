@@ -11,13 +11,14 @@ positions anchor .. anchor+gamma-1. The block writes its K/V into those slots of
 are past the context, and each becomes context only when commit overwrites it. The first sampling
 step after a prefill (or a recompute after preemption) therefore drafts nothing.
 
-Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify
-window of at most gamma + 1 rows. DFLASH verifies all of them; DSPARK applies its Markov head row by
-row with the drafted previous token and sizes each window from its confidences (windows.py: the budget
-planner by default, which also skips blocks that would not pay, or a survival threshold). With
---speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request and verifies it
-instead when its expected accepted length is larger (ngram.NgramHybrid); requests whose block may not
-run yet draft n-grams alone."""
+Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify window of at
+most gamma + 1 rows (a drafter in DFlash's layout runs gamma + 1 slots, the anchor's first, which drafts
+nothing; its last slot is the verify window's last position, reserved like it). DFLASH verifies all of them;
+DSPARK applies its Markov head row by row with the drafted previous token and sizes each window from its
+confidences (windows.py: the budget planner by default, which also skips blocks that would not pay, or a
+survival threshold). With --speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request
+and verifies it instead when its expected accepted length is larger (ngram.NgramHybrid); requests whose block
+may not run yet draft n-grams alone."""
 from __future__ import annotations
 
 import itertools
@@ -136,21 +137,25 @@ class BlockDrafterProposer(CommittedContext):
 
     def _run_block(self, jobs: list[DraftJob]) -> dict[int, Candidate]:
         """One non-causal forward over every job's block → each job's drafts (and their q and confidences)."""
-        tokens, positions, spans = [], [], []
+        lead = int(self.drafter.config.anchor_slot)         # slots before the first draft row
+        tokens, positions, spans, rows = [], [], [], []
         for job in jobs:
-            req, anchor = job.request, job.request.num_tokens - 1
-            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (job.num_drafts - 1)
-            positions += range(anchor, anchor + job.num_drafts)
-            spans.append(SeqSpan(req.pages, anchor, job.num_drafts, causal=False))
+            req, anchor, slots = job.request, job.request.num_tokens - 1, job.num_drafts + lead
+            rows += range(len(tokens) + lead, len(tokens) + slots)
+            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (slots - 1)
+            positions += range(anchor, anchor + slots)
+            spans.append(SeqSpan(req.pages, anchor, slots, causal=False))
         meta = AttentionMetadata.for_pool(spans, self.pool)
         anchor_context = None
         if self.drafter.anchor_proj is not None:
             # an anchor at position 0 (a one-token prompt) has no context before it: a zero vector
             none = torch.zeros(self.drafter.config.hidden_size, dtype=self.drafter.hidden_norm.dtype)
             anchor_context = torch.stack([self.last_context.get(job.request.request_id, none) for job in jobs
-                                          for _ in range(job.num_drafts)])
+                                          for _ in range(job.num_drafts + lead)])
         hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool,
                                            anchor_context)
+        if lead:
+            hidden = hidden[rows]
         offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
         drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
         confidences: list[list[float] | None] = [None] * len(jobs)

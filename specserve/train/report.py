@@ -48,7 +48,9 @@ def model_card(ckpt: BlockDrafterCheckpoint | EagleCheckpoint, rows_per_step: in
         rows += [("drafts per step (trained chain)", rows_per_step),
                  ("draft vocabulary", f"the target's {c.target_vocab_size:,}")]
     else:
-        rows += [("block size", c.block_size),
+        layout = ("DFlash's: the anchor's slot, then the mask slots, each drafting the token at its own position"
+                  if c.anchor_slot else "row k drafts the token after it (the anchor's slot drafts the next token)")
+        rows += [("block size", c.block_size), ("block slots", layout),
                  ("draft vocabulary", f"{c.draft_vocab_size:,} of {c.target_vocab_size:,}")]
     if c.algorithm == "DSPARK":
         rows += [("Markov rank", c.markov_rank),

@@ -158,6 +158,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
       help="block drafters: RMS-normalise each target layer's stream before fc")
     a("--anchor-feature", action=argparse.BooleanOptionalAction, default=d.anchor_feature,
       help="block drafters: every block row reads the context vector of the token before the anchor")
+    a("--anchor-slot", action=argparse.BooleanOptionalAction, default=None,
+      help="block drafters: DFlash's layout, the anchor's slot then block-size mask slots, each drafting the token "
+           "at its own position (default: on for dflash, off for dspark, whose row k drafts the token after it)")
     a("--markov-init", choices=["bigram", "random"], default=d.markov_init,
       help="DSPARK: start the Markov head from a rank-r fit of the training answers' bigram, or at random")
     a("--target-top-k", type=int, default=d.target_top_k,
@@ -206,6 +209,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
                       max_steps=args.max_steps, time_budget=args.time_budget, batch_size=args.batch_size,
                       anchors=args.anchors, context_norm=args.context_norm, anchor_feature=args.anchor_feature,
+                      anchor_slot=args.algorithm == "dflash" if args.anchor_slot is None else args.anchor_slot,
                       target_top_k=args.target_top_k, markov_init=args.markov_init, max_len=args.max_len,
                       holdout=args.holdout, lr=args.lr,
                       warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=args.dtype,

@@ -62,6 +62,7 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None     # None: 5 spread evenly (EAGLE: 3)
     context_norm: bool = True           # block drafters: RMS-normalise each target layer's stream before fc
     anchor_feature: bool = True         # block drafters: rows read the context vector before the anchor
+    anchor_slot: bool = False           # block drafters: DFlash's layout (the anchor's slot drafts nothing)
     target_top_k: int = 32              # target probabilities kept per position for the distribution loss
     markov_init: str = "bigram"         # DSPARK: "bigram" (rank-r SVD of the training answers' log P(next | prev))
                                         # or "random"
@@ -175,7 +176,8 @@ class DrafterTrainer:
             init = random_block_drafter(tc, cfg.algorithm, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
                                         token_map=token_map, context_norm=cfg.context_norm,
-                                        anchor_feature=cfg.anchor_feature, seed=cfg.seed, dtype=self.dtype)
+                                        anchor_feature=cfg.anchor_feature, anchor_slot=cfg.anchor_slot,
+                                        seed=cfg.seed, dtype=self.dtype)
         self.config: BlockDrafterConfig | EagleConfig = init.config
         if cfg.max_len + cfg.block_size > tc.max_position_embeddings:
             raise ValueError(f"--max-len {cfg.max_len} plus the block size exceeds the target's "
