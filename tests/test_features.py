@@ -89,3 +89,27 @@ def test_the_target_attends_in_the_dtype_the_engine_serves_it_with(tiny_llama):
     assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float32).kv_geometry.dtype == torch.float32
     assert TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64).kv_geometry.dtype == torch.float64
     assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, "float64").kv_geometry.dtype == torch.float64
+
+
+def test_a_cache_of_more_layers_serves_a_drafter_of_fewer(tiny_llama, sequences, tmp_path, monkeypatch):
+    """EAGLE's 3 target layers are among a block drafter's 5: a run on fewer layers reads their columns from the
+    stored cache instead of running the target again; a cache of other layers or other numerics is no cover."""
+    full = build(tiny_llama, sequences[:4], tmp_path)
+    one = FeatureCache.key(tiny_llama, TargetPass(tiny_llama, (1,), 8, "none", torch.float64), "none")
+    assert FeatureCache.covering(tmp_path, one) == FeatureCache.key(
+        tiny_llama, TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64), "none")
+    assert FeatureCache.covering(tmp_path, {**one, "top_k": 4}) == {**one, "top_k": 4}
+    assert FeatureCache.covering(tmp_path / "empty", one) == one
+    computed = []
+    original = TargetPass.__call__
+    monkeypatch.setattr(TargetPass, "__call__", lambda self, batch: computed.extend(batch) or original(self, batch))
+    run = TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64)
+    cache = FeatureCache.build(tmp_path, FeatureCache.covering(tmp_path, one), sequences[:4], run).select((1,))
+    assert cache.folder == full.folder and computed == []
+    want = original(TargetPass(tiny_llama, (1,), 8, "none", torch.float64), [sequences[2], sequences[0]])
+    got = cache.read([2, 0])
+    assert got.aux.shape == want.aux.shape
+    torch.testing.assert_close(got.aux, want.aux, rtol=2 ** -10, atol=2 ** -24)
+    assert torch.equal(got.top_ids, want.top_ids)
+    with pytest.raises(ValueError, match="holds target layers"):
+        full.select((0, 2))

@@ -89,12 +89,21 @@ class FeatureCache:
     under a folder named by the key (target file, numerics, layers, k), and index.jsonl, one line per
     stored sequence {"hash", "start", "length"} written once its rows are on disk. A build computes only
     the sequences the folder lacks, so an interrupted build resumes and a larger training set extends it.
-    `read` addresses the sequences the cache was built or opened for, by their position in that list."""
+    `read` addresses the sequences the cache was built or opened for, by their position in that list, and
+    returns the features of `read_layers` (default: every stored layer): a cache built for more target layers
+    serves a drafter that reads fewer of them (`covering`)."""
 
-    def __init__(self, folder: Path, spans: list[tuple[int, int]], width: int, top_k: int,
-                 dtype: torch.dtype) -> None:
-        self.folder, self.spans, self.width, self.top_k, self.dtype = folder, spans, width, top_k, dtype
-        files = cache_files(width, top_k)
+    def __init__(self, folder: Path, spans: list[tuple[int, int]], layer_ids: tuple[int, ...], hidden_size: int,
+                 top_k: int, dtype: torch.dtype, read_layers: tuple[int, ...] | None = None) -> None:
+        self.folder, self.spans, self.layer_ids, self.top_k, self.dtype = folder, spans, layer_ids, top_k, dtype
+        self.hidden_size = hidden_size
+        self.read_layers = layer_ids if read_layers is None else read_layers
+        if not set(self.read_layers) <= set(layer_ids):
+            raise ValueError(f"the feature cache {folder} holds target layers {list(layer_ids)}, "
+                             f"not {list(self.read_layers)}")
+        self.columns = None if self.read_layers == layer_ids else np.concatenate(
+            [np.arange(hidden_size) + layer_ids.index(i) * hidden_size for i in self.read_layers])
+        files = cache_files(len(layer_ids) * hidden_size, top_k)
         dtype, n = files["top_ids.bin"]
         rows = (folder / "top_ids.bin").stat().st_size // (np.dtype(dtype).itemsize * n)
         self.features, self.top_ids, self.top_probs = (np.memmap(folder / name, dtype, "r", shape=(rows, n))
@@ -113,6 +122,25 @@ class FeatureCache:
     @staticmethod
     def folder_for(root: Path, key: dict) -> Path:
         return root / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+    @classmethod
+    def covering(cls, root: Path, key: dict) -> dict:
+        """`key`, or the key of a cache under root that stores more sequences and holds key's target layers
+        among others, all else equal (EAGLE's 3 layers of a block drafter's 5): build it instead, and `select`."""
+        def count(k: dict) -> int:
+            return len(cls.stored(cls.folder_for(root, k)))
+
+        def covers(k: dict) -> bool:
+            return ({**k, "layer_ids": None} == {**key, "layer_ids": None}
+                    and set(key["layer_ids"]) <= set(k["layer_ids"]))
+
+        stored = [json.loads(path.read_text()) for path in sorted(root.glob("*/key.json"))] if root.is_dir() else []
+        return max((k for k in stored if covers(k)), key=count, default=key) if count(key) == 0 else key
+
+    def select(self, layer_ids: tuple[int, ...]) -> FeatureCache:
+        """This cache, reading the features of `layer_ids` (some of its layers) only."""
+        return FeatureCache(self.folder, self.spans, self.layer_ids, self.hidden_size, self.top_k, self.dtype,
+                            layer_ids)
 
     @staticmethod
     def stored(folder: Path) -> dict[str, tuple[int, int]]:
@@ -178,16 +206,19 @@ class FeatureCache:
         finally:
             for f in handles.values():
                 f.close()
-        return cls(folder, [index[h] for h in hashes], width, pass_.top_k, pass_.model.dtype)
+        return cls(folder, [index[h] for h in hashes], pass_.layer_ids, pass_.model.config.hidden_size, pass_.top_k,
+                   pass_.model.dtype)
 
     def read(self, indices: list[int]) -> TargetFeatures:
         """The rows of sequences `indices`, zero-padded like TargetPass's output, in the training dtype."""
         spans = [self.spans[i] for i in indices]
         B, L = len(indices), max(n for _, n in spans)
-        out = TargetFeatures(torch.zeros(B, L, self.width, dtype=self.dtype),
+        out = TargetFeatures(torch.zeros(B, L, len(self.read_layers) * self.hidden_size, dtype=self.dtype),
                              torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
         for b, (start, n) in enumerate(spans):
-            out.aux[b, :n] = torch.from_numpy(np.asarray(self.features[start:start + n], dtype=np.float32))
+            rows = self.features[start:start + n]
+            rows = rows if self.columns is None else rows[:, self.columns]
+            out.aux[b, :n] = torch.from_numpy(np.asarray(rows, dtype=np.float32))
             out.top_ids[b, :n] = torch.from_numpy(np.asarray(self.top_ids[start:start + n], dtype=np.int64))
             out.top_probs[b, :n] = torch.from_numpy(np.asarray(self.top_probs[start:start + n], dtype=np.float32))
         return out

@@ -71,11 +71,15 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                  else build_token_map(train_set, cfg.draft_vocab, target.config.vocab_size))
     trainer = DrafterTrainer(target, cfg, token_map)
     quantization = served_quantization(quantization, target)
-    target_pass = TargetPass(target, trainer.config.target_layer_ids, cfg.target_top_k, quantization, trainer.dtype,
-                              kv_cache_dtype)
-    sequences = [sequence(e) for e in usable]
-    cache = FeatureCache.build(features_dir or work_dir / "features",
-                               FeatureCache.key(target, target_pass, quantization), sequences, target_pass)
+    layer_ids = trainer.config.target_layer_ids
+    target_pass = TargetPass(target, layer_ids, cfg.target_top_k, quantization, trainer.dtype, kv_cache_dtype)
+    features_dir = features_dir or work_dir / "features"
+    key = FeatureCache.covering(features_dir, FeatureCache.key(target, target_pass, quantization))
+    if tuple(key["layer_ids"]) != layer_ids:
+        log.info("reading target layers %s from the feature cache of layers %s", list(layer_ids), key["layer_ids"])
+        target_pass = TargetPass(target, tuple(key["layer_ids"]), cfg.target_top_k, quantization, trainer.dtype,
+                                 kv_cache_dtype)
+    cache = FeatureCache.build(features_dir, key, [sequence(e) for e in usable], target_pass).select(layer_ids)
     del target_pass
     if resuming:
         trainer.load(state_path)
