@@ -186,6 +186,39 @@ def test_batched_blocks_equal_one_block_at_a_time(tiny_llama, tiny_answers):
             assert torch.equal(out.target_ids[i][rows], want_ids[:int(rows.sum())])
 
 
+def test_train_rows_run_the_first_rows_of_each_block_as_the_engine_runs_a_short_block(tiny_llama, tiny_answers):
+    """--train-rows 2 of a 4-row drafter: a step runs and scores 2 rows per anchor, each the paged proposer's
+    2-row block (the engine runs short blocks too); evaluation still runs whole blocks."""
+    data = usable_examples(tiny_answers, 128)[:2]
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, train_rows=2), build_token_map(data, 160, 257))
+    randomise_norms(trainer)
+    batch = live_batch(tiny_llama, trainer, data)
+    anchors, ok = sample_anchors(batch, 3, seeded(1))
+    short, whole = trainer.forward(batch, anchors, ok, 2), trainer.forward(batch, anchors, ok)
+    assert short.draft_logits.shape[1] == 2 and whole.draft_logits.shape[1] == 4
+    assert torch.equal(short.target_ids, whole.target_ids[:, :2]) and torch.equal(short.valid, whole.valid[:, :2])
+    step_anchors = sample_anchors(batch, SMALL["anchors"], seeded(1))
+    assert trainer.losses(batch, seeded(1)).rows == int(trainer.forward(batch, *step_anchors, 2).valid.sum()) \
+        < int(trainer.forward(batch, *step_anchors).valid.sum())
+    assert not torch.allclose(short.draft_logits, whole.draft_logits[:, :2]), "two fewer mask rows to attend to"
+    target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float64)
+    drafter = BlockDrafter(trainer.checkpoint((1.0,) * 4), target)
+    b, a = 0, int(anchors[0, 1])
+    aux = batch.target.aux[b, :a]
+    pool = KVPool(drafter.kv_geometry, 64, 4)
+    pages = list(range(64))
+    drafter.write_context(aux, torch.arange(a), slots_for(pages, 0, a, 4), pool)
+    meta = AttentionMetadata.build([SeqSpan(pages, a, 2, causal=False)], 4, pool.null_slot)
+    mask = trainer.config.mask_token_id
+    hidden = drafter.block_hidden(torch.tensor([int(batch.tokens[b, a]), mask]), torch.arange(a, a + 2), meta, pool,
+                                  drafter.write_context(aux[a - 1:a], torch.tensor([a - 1]),
+                                                        slots_for(pages, a - 1, a, 4), pool).expand(2, -1))
+    torch.testing.assert_close(drafter.logits(hidden) + drafter.markov_logits(batch.tokens[b, a:a + 2]),
+                               short.draft_logits[1], rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="--train-rows"):
+        DrafterTrainer(tiny_llama, TrainConfig(**SMALL, train_rows=5), None)
+
+
 @pytest.mark.parametrize("algorithm", ["DSPARK", "EAGLE"])
 def test_a_few_steps_reduce_the_loss(tiny_llama, tiny_answers, tmp_path, algorithm):
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, algorithm=algorithm, max_steps=40, save_every=100), None)

@@ -293,19 +293,20 @@ def context_vectors(c: BlockDrafterConfig, aux: torch.Tensor, fc, hidden_norm: t
 
 
 def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed: torch.Tensor, rope: Rope,
-                        aux: torch.Tensor, anchors: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+                        aux: torch.Tensor, anchors: torch.Tensor, anchor_ids: torch.Tensor,
+                        rows: int | None = None) -> torch.Tensor:
     """The block forward of BlockDrafter, dense and differentiable in the checkpoint's tensors `w`
     (training). aux: [B, L, len(target_layer_ids) * target hidden] of each sequence's tokens;
     anchors, anchor_ids: [B, A] positions (>= 1) and token ids. Each anchor's block (the anchor, then
     mask tokens) sees the context of positions < anchor and its own slots, as the paged proposer's does
-    → final-normed hidden of the draft rows [B, A, block_size, hidden] (with anchor_slot, the anchor's
-    slot is run and left out).
+    → final-normed hidden of the draft rows [B, A, rows, hidden], the first `rows` of each block (default:
+    block_size; the engine runs shorter blocks too); with anchor_slot, the anchor's slot is run and left out.
 
     Attention is split in two parts that share one softmax: every slot against the context ([R, L] scores,
     masked past the slot's anchor) and each block's slots against each other ([A, G, G]), so that a step
     over every answer position costs R * (L + G) scores rather than the R * (L + R) of one dense mask."""
     B, L, _ = aux.shape
-    A, G = anchors.shape[1], c.block_size + c.anchor_slot     # G: slots per block
+    A, G = anchors.shape[1], (rows or c.block_size) + c.anchor_slot     # G: slots per block
     R = A * G
     eps, d, kv_heads = c.rms_norm_eps, c.head_dim, c.num_key_value_heads
     group = c.num_attention_heads // kv_heads

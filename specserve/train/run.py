@@ -107,6 +107,7 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                f"({tokens:,} tokens)", "held-out examples": len(holdout), "steps": trainer.step,
                "batch": f"{cfg.batch_size} sequences x "
                         + (f"{cfg.anchors} blocks" if cfg.anchors else "a block at every answer position")
+                        + (f" of their first {cfg.train_rows} rows" if cfg.train_rows else "")
                         + f", at most {cfg.max_len} tokens",
                "optimizer": f"AdamW, lr {cfg.lr:g}, warmup {cfg.warmup_ratio:g}, cosine, clip {cfg.grad_clip:g}",
                "loss": f"{cfg.loss.ce:g} CE + {cfg.loss.dist:g} L1, row weight exp(-k/{cfg.loss.decay:g})"
@@ -150,6 +151,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     a("--num-layers", type=int, default=d.num_layers)
     a("--block-size", type=int, default=d.block_size, help="block rows (gamma) trained; EAGLE: drafts per step")
+    a("--train-rows", type=int, default=d.train_rows,
+      help="block rows a training step runs per anchor (0: the block size); later rows are rarely reached")
     a("--markov-rank", type=int, default=d.markov_rank, help="DSPARK only")
     a("--draft-vocab", type=int, default=d.draft_vocab,
       help="token map size (>= the vocabulary: no map; EAGLE has none)")
@@ -209,6 +212,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(algorithm=ALGORITHMS[args.algorithm], num_layers=args.num_layers, block_size=args.block_size,
+                      train_rows=args.train_rows,
                       markov_rank=args.markov_rank, draft_vocab=args.draft_vocab,
                       target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
                       max_steps=args.max_steps, time_budget=args.time_budget, batch_size=args.batch_size,

@@ -57,6 +57,8 @@ class TrainConfig:
     algorithm: str = "DSPARK"
     num_layers: int = 1
     block_size: int = 16               # block rows; EAGLE: chain rows (drafts per step)
+    train_rows: int = 0                # rows a training step runs per anchor (0: block_size): the first rows
+                                       # carry the loss, as drafts past the first few are rarely reached
     markov_rank: int = 64
     draft_vocab: int = 8192
     target_layer_ids: tuple[int, ...] | None = None     # None: 5 spread evenly (EAGLE: 3)
@@ -179,6 +181,9 @@ class DrafterTrainer:
                                         anchor_feature=cfg.anchor_feature, anchor_slot=cfg.anchor_slot,
                                         seed=cfg.seed, dtype=self.dtype)
         self.config: BlockDrafterConfig | EagleConfig = init.config
+        if not 0 <= cfg.train_rows <= cfg.block_size:
+            raise ValueError(f"--train-rows must be in [0, --block-size {cfg.block_size}] (0: the block size), "
+                             f"got {cfg.train_rows}")
         if cfg.max_len + cfg.block_size > tc.max_position_embeddings:
             raise ValueError(f"--max-len {cfg.max_len} plus the block size exceeds the target's "
                              f"{tc.max_position_embeddings} positions")
@@ -251,11 +256,13 @@ class DrafterTrainer:
         confidence = (features @ p["confidence.weight"].T).squeeze(-1) + p["confidence.bias"]
         return logits, confidence
 
-    def forward(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor) -> BlockOutputs:
+    def forward(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+                rows: int | None = None) -> BlockOutputs:
         """The block of every valid anchor ([B, A] positions; the valid ones a prefix of each row) with its
-        targets, flattened to N blocks in batch order. Block drafters run one sequence at a time, unpadded:
-        with a block at every answer position, padding would be ~40% of the rows."""
-        G = self.cfg.block_size
+        targets, its first `rows` rows (default: the whole block), flattened to N blocks in batch order. Block
+        drafters run one sequence at a time, unpadded: with a block at every answer position, padding would
+        be ~40% of the rows."""
+        G = rows or self.cfg.block_size
         aux = batch.target.aux.to(self.dtype)
         positions = anchors[..., None] + torch.arange(G)                       # [B, A, G] row positions
         valid = valid_rows(anchors, anchor_valid, batch.lengths, G)
@@ -271,13 +278,13 @@ class DrafterTrainer:
                 per_sequence = zip(batch.lengths.tolist(), anchor_valid.sum(1).tolist())
                 rows = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
                                                       aux[b:b + 1, :length], anchors[b:b + 1, :n],
-                                                      prev[b:b + 1, :n, 0])[0]
+                                                      prev[b:b + 1, :n, 0], G)[0]
                                   for b, (length, n) in enumerate(per_sequence) if n])
             logits, confidence = self.heads(rows, prev[anchor_valid])
         return BlockOutputs(logits, target, target.ids[..., 0], prev[anchor_valid], valid[anchor_valid], confidence)
 
     def losses(self, batch: Batch, generator: torch.Generator) -> LossTerms:
-        out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator))
+        out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator), self.cfg.train_rows or None)
         return block_loss(out.draft_logits, out.target, out.target_ids, out.valid, out.confidence_logits,
                           self.cfg.loss)
 
