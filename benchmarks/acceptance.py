@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import pickle
 import sys
@@ -31,6 +32,11 @@ from specserve.types import SamplingParams  # noqa: E402
 BLOCK = 8
 # DFLASH and EAGLE drafters trained like the shipped DSPARK one (same data, steps and CPU time), for comparison
 COMPARISON = Path(__file__).resolve().parent / "drafters"
+
+
+def weights_digest(folder: str) -> str:
+    """A drafter folder's weights, so that --resume never reuses the cells of a drafter retrained in place."""
+    return hashlib.sha1((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
 
 
 def configurations(args: argparse.Namespace) -> dict[str, dict]:
@@ -74,7 +80,9 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     workloads, cells = None, {}
     for label, engine_args in configurations(args).items():
-        settings = json.dumps({"engine": engine_args, "workloads": args.workloads, "num_prompts": args.num_prompts,
+        drafter = engine_args.get("speculative_draft_model_path")
+        settings = json.dumps({"engine": engine_args, "drafter": drafter and weights_digest(drafter),
+                               "workloads": args.workloads, "num_prompts": args.num_prompts,
                                "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
                                "batch_size": args.batch_size, "threads": args.threads}, sort_keys=True)
         saved = cells_dir / f"{label}.pkl"
