@@ -35,8 +35,13 @@ COMPARISON = Path(__file__).resolve().parent / "drafters"
 
 
 def weights_digest(folder: str) -> str:
-    """A drafter folder's weights, so that --resume never reuses the cells of a drafter retrained in place."""
-    return hashlib.sha1((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
+    """A drafter folder's config and weights, so that --resume never reuses the cells of a drafter retrained in
+    place."""
+    digest = hashlib.sha1()
+    for name in ("config.json", "model.safetensors"):
+        with open(Path(folder) / name, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha1").digest())
+    return digest.hexdigest()
 
 
 def configurations(args: argparse.Namespace) -> dict[str, dict]:

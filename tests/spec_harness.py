@@ -328,6 +328,7 @@ GREEDY = [SamplingParams(temperature=0.0, max_new_tokens=8 + 7 * i % 25, ignore_
 # Block drafters by configuration: name → engine kwargs given the drafter folders of a test module.
 BLOCK_CASES = {
     "dflash": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash"]},
+    "dflash-next": lambda d: {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": d["dflash_next"]},
     # By weights a tiny drafter's row costs a large part of a tiny target row (the agreeing drafter has a
     # Markov rank per memorised transition). These cases are about windows, so their blocks are free;
     # the block's cost has its own tests.

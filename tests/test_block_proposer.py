@@ -88,6 +88,8 @@ def drafters(tiny_llama, plain, tmp_path_factory) -> dict[str, str]:
     ckpts = {
         "dflash": random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, qk_norm=True, seed=1,
                                        anchor_slot=True, dtype=torch.float64),
+        "dflash_next": random_block_drafter(tiny_llama.config, "DFLASH", num_layers=2, seed=3, anchor_feature=True,
+                                            dtype=torch.float64),
         "dspark": random_block_drafter(tiny_llama.config, token_map=torch.arange(128) * 2, seed=2, dtype=torch.float64),
         "agree": agreeing_drafter(tiny_llama, [o.token_ids for o in plain.outputs]),
     }
@@ -115,7 +117,7 @@ def spec_run(tiny_llama, drafters):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("gamma", GAMMAS)
-@pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold", "dspark-hybrid"])
+@pytest.mark.parametrize("case", ["dflash", "dflash-next", "dspark-budget", "dspark-threshold", "dspark-hybrid"])
 def test_greedy_block_drafting_is_lossless(plain, spec_run, case, gamma, batch):
     spec, *_ = spec_run(case, gamma, batch)
     assert_same_as_plain(spec, Run(plain.outputs[:batch], plain.kv, plain.engine))

@@ -91,20 +91,32 @@ def test_the_target_attends_in_the_dtype_the_engine_serves_it_with(tiny_llama):
     assert TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, "float64").kv_geometry.dtype == torch.float64
 
 
+def full_key(tiny_llama) -> dict:
+    return FeatureCache.key(tiny_llama, TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64), "none")
+
+
 def test_a_cache_of_more_layers_serves_a_drafter_of_fewer(tiny_llama, sequences, tmp_path, monkeypatch):
     """EAGLE's 3 target layers are among a block drafter's 5: a run on fewer layers reads their columns from the
     stored cache instead of running the target again; a cache of other layers or other numerics is no cover."""
     full = build(tiny_llama, sequences[:4], tmp_path)
     one = FeatureCache.key(tiny_llama, TargetPass(tiny_llama, (1,), 8, "none", torch.float64), "none")
-    assert FeatureCache.covering(tmp_path, one) == FeatureCache.key(
-        tiny_llama, TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64), "none")
-    assert FeatureCache.covering(tmp_path, {**one, "top_k": 4}) == {**one, "top_k": 4}
-    assert FeatureCache.covering(tmp_path / "empty", one) == one
+    zero = FeatureCache.key(tiny_llama, TargetPass(tiny_llama, (0,), 8, "none", torch.float64), "none")
+    assert FeatureCache.covering(tmp_path, one, sequences[:4]) == full_key(tiny_llama)
+    assert FeatureCache.covering(tmp_path, {**one, "top_k": 4}, sequences[:4]) == {**one, "top_k": 4}
+    assert FeatureCache.covering(tmp_path / "empty", one, sequences[:4]) == one
+    assert FeatureCache.covering(tmp_path, one, sequences[6:]) == one, "it holds none of these sequences"
+    # a cache of the exact layers wins unless a covering one holds more of the sequences
+    FeatureCache.build(tmp_path, zero, sequences[:2], TargetPass(tiny_llama, (0,), 8, "none", torch.float64))
+    assert FeatureCache.covering(tmp_path, zero, sequences[:2]) == zero
+    assert FeatureCache.covering(tmp_path, zero, sequences[:4]) == full_key(tiny_llama)
+    FeatureCache.build(tmp_path, one, sequences[5:7], TargetPass(tiny_llama, (1,), 8, "none", torch.float64))
+    assert FeatureCache.covering(tmp_path, zero, sequences[5:7]) == zero, "layer 1 alone does not cover layer 0"
     computed = []
     original = TargetPass.__call__
     monkeypatch.setattr(TargetPass, "__call__", lambda self, batch: computed.extend(batch) or original(self, batch))
     run = TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64)
-    cache = FeatureCache.build(tmp_path, FeatureCache.covering(tmp_path, one), sequences[:4], run).select((1,))
+    cache = FeatureCache.build(tmp_path, FeatureCache.covering(tmp_path, one, sequences[:4]), sequences[:4],
+                               run).select((1,))
     assert cache.folder == full.folder and computed == []
     want = original(TargetPass(tiny_llama, (1,), 8, "none", torch.float64), [sequences[2], sequences[0]])
     got = cache.read([2, 0])

@@ -58,8 +58,10 @@ def randomise_norms(trainer: DrafterTrainer) -> None:
                 p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) + 0.5)
 
 
-def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path):
-    cfg = TrainConfig(**{**SMALL, "block_size": 5}, num_layers=2, target_layer_ids=(0, 1))
+@pytest.mark.parametrize("anchor_slot", [False, True])
+def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path, anchor_slot):
+    """DSPARK with the context norm and anchor feature (the defaults), in either slot layout."""
+    cfg = TrainConfig(**{**SMALL, "block_size": 5}, num_layers=2, target_layer_ids=(0, 1), anchor_slot=anchor_slot)
     token_map = torch.cat([torch.arange(0, 200, 2), torch.arange(201, 257)])
     trainer = DrafterTrainer(tiny_llama, cfg, token_map)
     randomise_norms(trainer)
@@ -215,6 +217,9 @@ def test_train_rows_run_the_first_rows_of_each_block_as_the_engine_runs_a_short_
                                                         slots_for(pages, a - 1, a, 4), pool).expand(2, -1))
     torch.testing.assert_close(drafter.logits(hidden) + drafter.markov_logits(batch.tokens[b, a:a + 2]),
                                short.draft_logits[1], rtol=0, atol=1e-9)
+    report = trainer.evaluate(data, lambda indices: live_batch(tiny_llama, trainer, [data[i] for i in indices]).target,
+                              torch.arange(257))
+    assert len(report["row_top1"]) == 4, "evaluation runs whole blocks"
     with pytest.raises(ValueError, match="--train-rows"):
         DrafterTrainer(tiny_llama, TrainConfig(**SMALL, train_rows=5), None)
 

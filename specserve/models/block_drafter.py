@@ -306,7 +306,8 @@ def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed
     masked past the slot's anchor) and each block's slots against each other ([A, G, G]), so that a step
     over every answer position costs R * (L + G) scores rather than the R * (L + R) of one dense mask."""
     B, L, _ = aux.shape
-    A, G = anchors.shape[1], (rows or c.block_size) + c.anchor_slot     # G: slots per block
+    lead = int(c.anchor_slot)                                  # slots before the first draft row
+    A, G = anchors.shape[1], (rows or c.block_size) + lead     # G: slots per block
     R = A * G
     eps, d, kv_heads = c.rms_norm_eps, c.head_dim, c.num_key_value_heads
     group = c.num_attention_heads // kv_heads
@@ -343,4 +344,4 @@ def dense_block_forward(c: BlockDrafterConfig, w: dict[str, torch.Tensor], embed
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return rms_norm(x, w["model.norm.weight"], eps).view(B, A, G, -1)[:, :, c.anchor_slot:]
+    return rms_norm(x, w["model.norm.weight"], eps).view(B, A, G, -1)[:, :, lead:]

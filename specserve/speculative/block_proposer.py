@@ -1,15 +1,15 @@
 """DFLASH and DSPARK: the block drafter (models/block_drafter.py) as a proposer.
 
 The draft context holds committed tokens only: `commit` keeps the target's hidden states of the tokens a step
-committed (the fed tokens and the accepted drafts), and their context K/V is written just before the
-request's next block runs, in one batch (the budget planner skips most blocks on text the drafter cannot
-guess, and a context write per step cost ~1.4 ms of a ~17 ms SmolLM2 step). A prompt's context is written
-when it is prefilled, and the prefix cache keeps only pages whose context is written.
-A request drafts when its context reaches its anchor (the last token, whose target KV does not exist
-yet): then one batched non-causal forward runs every drafting request's block of gamma rows at
-positions anchor .. anchor+gamma-1. The block writes its K/V into those slots of the draft pool; they
-are past the context, and each becomes context only when commit overwrites it. The first sampling
-step after a prefill (or a recompute after preemption) therefore drafts nothing.
+committed (the fed tokens and the accepted drafts), and their context K/V is written just before the request's
+next block runs, in one batch (the budget planner skips most blocks on text the drafter cannot guess, and a
+context write per step cost ~1.4 ms of a ~17 ms SmolLM2 step). A prompt's context is written when it is
+prefilled, and the prefix cache keeps only pages whose context is written. A request drafts when its context
+reaches its anchor (the last token, whose target KV does not exist yet): then one batched non-causal forward
+runs every drafting request's block of gamma rows at positions anchor .. anchor+gamma-1 (one more in DFlash's
+layout, below). The block writes its K/V into those slots of the draft pool; they are past the context, and
+each becomes context only when commit overwrites it. The first sampling step after a prefill (or a recompute
+after preemption) therefore drafts nothing.
 
 Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify window of at
 most gamma + 1 rows (a drafter in DFlash's layout runs gamma + 1 slots, the anchor's first, which drafts
@@ -138,24 +138,25 @@ class BlockDrafterProposer(CommittedContext):
     def _run_block(self, jobs: list[DraftJob]) -> dict[int, Candidate]:
         """One non-causal forward over every job's block → each job's drafts (and their q and confidences)."""
         lead = int(self.drafter.config.anchor_slot)         # slots before the first draft row
-        tokens, positions, spans, rows = [], [], [], []
+        tokens, positions, spans, draft_rows, slots = [], [], [], [], []
         for job in jobs:
-            req, anchor, slots = job.request, job.request.num_tokens - 1, job.num_drafts + lead
-            rows += range(len(tokens) + lead, len(tokens) + slots)
-            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (slots - 1)
-            positions += range(anchor, anchor + slots)
-            spans.append(SeqSpan(req.pages, anchor, slots, causal=False))
+            req, anchor, n = job.request, job.request.num_tokens - 1, job.num_drafts + lead
+            draft_rows += range(len(tokens) + lead, len(tokens) + n)
+            slots.append(n)
+            tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (n - 1)
+            positions += range(anchor, anchor + n)
+            spans.append(SeqSpan(req.pages, anchor, n, causal=False))
         meta = AttentionMetadata.for_pool(spans, self.pool)
         anchor_context = None
         if self.drafter.anchor_proj is not None:
             # an anchor at position 0 (a one-token prompt) has no context before it: a zero vector
             none = torch.zeros(self.drafter.config.hidden_size, dtype=self.drafter.hidden_norm.dtype)
-            anchor_context = torch.stack([self.last_context.get(job.request.request_id, none) for job in jobs
-                                          for _ in range(job.num_drafts + lead)])
+            anchor_context = torch.stack([self.last_context.get(job.request.request_id, none)
+                                          for job, n in zip(jobs, slots) for _ in range(n)])
         hidden = self.drafter.block_hidden(torch.tensor(tokens), torch.tensor(positions), meta, self.pool,
                                            anchor_context)
         if lead:
-            hidden = hidden[rows]
+            hidden = hidden[draft_rows]
         offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
         drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
         confidences: list[list[float] | None] = [None] * len(jobs)

@@ -124,18 +124,26 @@ class FeatureCache:
         return root / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
     @classmethod
-    def covering(cls, root: Path, key: dict) -> dict:
-        """`key`, or the key of a cache under root that stores more sequences and holds key's target layers
-        among others, all else equal (EAGLE's 3 layers of a block drafter's 5): build it instead, and `select`."""
-        def count(k: dict) -> int:
-            return len(cls.stored(cls.folder_for(root, k)))
+    def covering(cls, root: Path, key: dict, sequences: list[list[int]]) -> dict:
+        """The key to build for `sequences`: `key`, unless a cache under root of more target layers, all else
+        equal (EAGLE's 3 layers among a block drafter's 5), already holds more of them; then build that one and
+        `select` key's layers."""
+        needed = {sequence_hash(s) for s in sequences}
 
-        def covers(k: dict) -> bool:
-            return ({**k, "layer_ids": None} == {**key, "layer_ids": None}
-                    and set(key["layer_ids"]) <= set(k["layer_ids"]))
+        def held(k: dict) -> int:
+            return len(needed & cls.stored(cls.folder_for(root, k)).keys())
 
-        stored = [json.loads(path.read_text()) for path in sorted(root.glob("*/key.json"))] if root.is_dir() else []
-        return max((k for k in stored if covers(k)), key=count, default=key) if count(key) == 0 else key
+        best, most = key, held(key)
+        for path in sorted(root.glob("*/key.json")):
+            try:
+                other = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            covers = ({**other, "layer_ids": None} == {**key, "layer_ids": None}
+                      and set(key["layer_ids"]) < set(other["layer_ids"]))
+            if covers and held(other) > most:
+                best, most = other, held(other)
+        return best
 
     def select(self, layer_ids: tuple[int, ...]) -> FeatureCache:
         """This cache, reading the features of `layer_ids` (some of its layers) only."""

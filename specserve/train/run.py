@@ -74,12 +74,14 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
     layer_ids = trainer.config.target_layer_ids
     target_pass = TargetPass(target, layer_ids, cfg.target_top_k, quantization, trainer.dtype, kv_cache_dtype)
     features_dir = features_dir or work_dir / "features"
-    key = FeatureCache.covering(features_dir, FeatureCache.key(target, target_pass, quantization))
+    sequences = [sequence(e) for e in usable]
+    key = FeatureCache.covering(features_dir, FeatureCache.key(target, target_pass, quantization), sequences)
     if tuple(key["layer_ids"]) != layer_ids:
         log.info("reading target layers %s from the feature cache of layers %s", list(layer_ids), key["layer_ids"])
+        del target_pass
         target_pass = TargetPass(target, tuple(key["layer_ids"]), cfg.target_top_k, quantization, trainer.dtype,
                                  kv_cache_dtype)
-    cache = FeatureCache.build(features_dir, key, [sequence(e) for e in usable], target_pass).select(layer_ids)
+    cache = FeatureCache.build(features_dir, key, sequences, target_pass).select(layer_ids)
     del target_pass
     if resuming:
         trainer.load(state_path)
@@ -152,7 +154,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--num-layers", type=int, default=d.num_layers)
     a("--block-size", type=int, default=d.block_size, help="block rows (gamma) trained; EAGLE: drafts per step")
     a("--train-rows", type=int, default=d.train_rows,
-      help="block rows a training step runs per anchor (0: the block size); later rows are rarely reached")
+      help="block rows (EAGLE: chain rows) a training step runs per anchor (0: the block size); later rows are "
+           "rarely reached")
     a("--markov-rank", type=int, default=d.markov_rank, help="DSPARK only")
     a("--draft-vocab", type=int, default=d.draft_vocab,
       help="token map size (>= the vocabulary: no map; EAGLE has none)")
@@ -217,7 +220,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       target_layer_ids=tuple(args.target_layer_ids) if args.target_layer_ids else None,
                       max_steps=args.max_steps, time_budget=args.time_budget, batch_size=args.batch_size,
                       anchors=args.anchors, context_norm=args.context_norm, anchor_feature=args.anchor_feature,
-                      anchor_slot=args.algorithm == "dflash" if args.anchor_slot is None else args.anchor_slot,
+                      anchor_slot=args.anchor_slot,
                       target_top_k=args.target_top_k, markov_init=args.markov_init, max_len=args.max_len,
                       holdout=args.holdout, lr=args.lr,
                       warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=args.dtype,

@@ -64,7 +64,8 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None     # None: 5 spread evenly (EAGLE: 3)
     context_norm: bool = True           # block drafters: RMS-normalise each target layer's stream before fc
     anchor_feature: bool = True         # block drafters: rows read the context vector before the anchor
-    anchor_slot: bool = False           # block drafters: DFlash's layout (the anchor's slot drafts nothing)
+    anchor_slot: bool | None = None     # block drafters: DFlash's layout (the anchor's slot drafts nothing);
+                                        # None: DFLASH's own layout for DFLASH, DSPARK's for DSPARK
     target_top_k: int = 32              # target probabilities kept per position for the distribution loss
     markov_init: str = "bigram"         # DSPARK: "bigram" (rank-r SVD of the training answers' log P(next | prev))
                                         # or "random"
@@ -169,21 +170,23 @@ class DrafterTrainer:
         self.dtype = torch.float32 if self.autocast else dtype
         tc = target.config
         self.embed = target.weights["model.embed_tokens.weight"].to(self.dtype)     # [vocab, hidden]
+        if not 0 <= cfg.train_rows <= cfg.block_size:
+            raise ValueError(f"--train-rows must be in [0, --block-size {cfg.block_size}] (0: the block size), "
+                             f"got {cfg.train_rows}")
         if cfg.algorithm == "EAGLE":
-            if token_map is not None or cfg.num_layers != 1:
-                raise ValueError("an EAGLE head has one layer and drafts over the target's whole vocabulary "
-                                 "(no token map)")
+            if token_map is not None or cfg.num_layers != 1 or cfg.anchor_slot:
+                raise ValueError("an EAGLE head has one layer, drafts over the target's whole vocabulary "
+                                 "(no token map) and has no block slots (no --anchor-slot)")
             init = random_eagle(tc, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed, dtype=self.dtype)
         else:
             init = random_block_drafter(tc, cfg.algorithm, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
                                         token_map=token_map, context_norm=cfg.context_norm,
-                                        anchor_feature=cfg.anchor_feature, anchor_slot=cfg.anchor_slot,
+                                        anchor_feature=cfg.anchor_feature,
+                                        anchor_slot=(cfg.algorithm == "DFLASH" if cfg.anchor_slot is None
+                                                     else cfg.anchor_slot),
                                         seed=cfg.seed, dtype=self.dtype)
         self.config: BlockDrafterConfig | EagleConfig = init.config
-        if not 0 <= cfg.train_rows <= cfg.block_size:
-            raise ValueError(f"--train-rows must be in [0, --block-size {cfg.block_size}] (0: the block size), "
-                             f"got {cfg.train_rows}")
         if cfg.max_len + cfg.block_size > tc.max_position_embeddings:
             raise ValueError(f"--max-len {cfg.max_len} plus the block size exceeds the target's "
                              f"{tc.max_position_embeddings} positions")
@@ -206,9 +209,12 @@ class DrafterTrainer:
     def init_from(self, ckpt: BlockDrafterCheckpoint | EagleCheckpoint) -> None:
         """Start from an exported drafter's weights (a fresh optimizer; the run takes its token map): a new
         run continues where a shipped drafter stopped, with the same settings."""
-        if ckpt.config.to_json() | {"confidence_temperatures": None} != \
-                self.config.to_json() | {"confidence_temperatures": None}:
-            raise ValueError(f"{ckpt.source} was exported with other drafter settings; train with the same flags")
+        theirs, ours = ckpt.config.to_json(), self.config.to_json()
+        differ = [k for k in ours if k != "confidence_temperatures" and theirs.get(k) != ours[k]]
+        if differ:
+            raise ValueError(f"{ckpt.source} was exported with other drafter settings ("
+                             + ", ".join(f"{k} {theirs.get(k)} instead of {ours[k]}" for k in differ)
+                             + "); train with the same flags")
         for name, p in self.params.items():
             p.copy_(ckpt.weights[name])
 
@@ -272,19 +278,19 @@ class DrafterTrainer:
         target = TargetTopK(top.ids[anchor_valid], top.probs[anchor_valid])
         with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
             if self.config.algorithm == "EAGLE":
-                rows = dense_chain_forward(self.config, self.params, self.embed, self.rope, aux, batch.tokens,
-                                           anchors, G)[anchor_valid]
+                hidden = dense_chain_forward(self.config, self.params, self.embed, self.rope, aux, batch.tokens,
+                                             anchors, G)[anchor_valid]
             else:
                 per_sequence = zip(batch.lengths.tolist(), anchor_valid.sum(1).tolist())
-                rows = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
-                                                      aux[b:b + 1, :length], anchors[b:b + 1, :n],
-                                                      prev[b:b + 1, :n, 0], G)[0]
-                                  for b, (length, n) in enumerate(per_sequence) if n])
-            logits, confidence = self.heads(rows, prev[anchor_valid])
+                hidden = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
+                                                        aux[b:b + 1, :length], anchors[b:b + 1, :n],
+                                                        prev[b:b + 1, :n, 0], G)[0]
+                                    for b, (length, n) in enumerate(per_sequence) if n])
+            logits, confidence = self.heads(hidden, prev[anchor_valid])
         return BlockOutputs(logits, target, target.ids[..., 0], prev[anchor_valid], valid[anchor_valid], confidence)
 
     def losses(self, batch: Batch, generator: torch.Generator) -> LossTerms:
-        out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator), self.cfg.train_rows or None)
+        out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator), self.cfg.train_rows)
         return block_loss(out.draft_logits, out.target, out.target_ids, out.valid, out.confidence_logits,
                           self.cfg.loss)
 
