@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import queue
+import time
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -312,7 +313,16 @@ class TensorParallelModel:
         except RankFailure:
             raise
         except RuntimeError as exc:       # gloo: a peer closed its connection
-            raise RankFailure(f"a tensor-parallel collective failed: {exc}") from exc
+            raise RankFailure(f"a tensor-parallel collective failed: {self._dead_rank()}{exc}") from exc
+
+    def _dead_rank(self, wait_s: float = 2.0) -> str:
+        """Name the rank whose death broke a collective: the peer's socket can close before its exit is seen."""
+        deadline = time.monotonic() + wait_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if not p.is_alive():
+                return f"rank process {p.name} exited with code {p.exitcode}; "
+        return ""
 
     def _key(self, pool: KVPool) -> int:
         key = self._pool_keys.get(pool)
