@@ -4,8 +4,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specserve.engine import LLM
-from specserve.speculative.ngram import NgramProposer, prompt_lookup
-from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+from specserve.speculative.ngram import NgramHybrid, NgramProposer, longest_match, prompt_lookup
+from specserve.speculative.windows import Candidate
+from specserve.types import (
+    Request,
+    RequestVerifyResult,
+    SamplingParams,
+    ScheduledRequest,
+    StepPlan,
+    VerifyResult,
+)
 
 
 @pytest.mark.parametrize("tokens, ngram_min, ngram_max, k, drafts", [
@@ -21,6 +29,46 @@ from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
 ])
 def test_prompt_lookup(tokens, ngram_min, ngram_max, k, drafts):
     assert prompt_lookup(tokens, ngram_min, ngram_max, k) == drafts
+
+
+@pytest.mark.parametrize("tokens, ngram_min, ngram_max, match", [
+    ([1, 2, 3, 9, 1, 2, 3], 1, 4, (3, 2)),        # the suffix 1 2 3 ends at position 2
+    ([1, 2, 3, 9, 1, 2, 3], 1, 2, (2, 2)),
+    ([1, 2, 3, 1], 1, 4, (1, 0)),
+    ([1, 2, 3, 1], 2, 4, (0, -1)),                # below ngram_min
+    ([1, 2, 3, 4], 1, 4, (0, -1)),
+    ([5], 1, 4, (0, -1)),
+])
+def test_longest_match(tokens, ngram_min, ngram_max, match):
+    assert longest_match(tokens, ngram_min, ngram_max) == match
+
+
+def hybrid_step(hybrid: NgramHybrid, req: Request, block: Candidate, accepted: int) -> Candidate:
+    """One step of the hybrid on one request: weigh against `block`, verify the winner, record `accepted`."""
+    plan = StepPlan((ScheduledRequest(req, len(req.all_token_ids) - 1, 1, True, 4),))
+    candidates = {0: block}
+    hybrid.weigh(plan, candidates, 4)
+    if candidates[0].from_ngram:
+        hybrid.verifying(req, len(candidates[0].drafts))
+    hybrid.record(plan, VerifyResult((RequestVerifyResult((0,) * (accepted + 1), accepted),)))
+    return candidates[0]
+
+
+def test_hybrid_keeps_the_ngram_record_per_match_length():
+    """Short matches that failed lose to the block; a long match on the same request still starts from the prior."""
+    hybrid = NgramHybrid(1, 4)
+    block = Candidate([7, 7, 7, 7], [], [0.4] * 4)
+    short = Request("a", [5, 1, 2, 3, 6, 5], SamplingParams())      # only the 1-gram `5` matches
+    assert hybrid_step(hybrid, short, block, accepted=0).from_ngram      # the even prior beats 0.4
+    assert hybrid.per_request["a"][1].counts == [1]
+    assert not hybrid_step(hybrid, short, block, accepted=0).from_ngram  # its 1-gram match has failed once
+    short.output_token_ids.extend([1, 2, 3])                             # now `5 1 2 3` matches: 4 tokens
+    drafts, rates = hybrid.lookup(short, 4)
+    assert drafts == [6, 5, 1, 2] and rates == [0.5] * 4
+    assert hybrid_step(hybrid, short, block, accepted=4).from_ngram
+    assert set(hybrid.per_request["a"]) == {1, 4}
+    hybrid.release(short)
+    assert not hybrid.per_request and not hybrid.pending and not hybrid.matched
 
 
 def reference_lookup(tokens, ngram_min, ngram_max, k):
