@@ -1,6 +1,6 @@
 """Acceptance length (emitted tokens / verify steps, greedy) per workload of every drafter for the embedded
-SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and the DFLASH / EAGLE
-drafters trained for comparison (benchmarks/drafters/). Block windows are verified in full (confidence
+SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and the DSPARK / DFLASH /
+EAGLE drafters trained for comparison on the same data and CPU time (benchmarks/drafters/). Block windows are verified in full (confidence
 threshold 0), so the numbers say how far each drafter's guesses hold, not how the budget planner trades them
 against batch cost (benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
 
@@ -30,7 +30,7 @@ from specserve.loader.tokenizer import chat_token_ids  # noqa: E402
 from specserve.types import SamplingParams  # noqa: E402
 
 BLOCK = 8
-# DFLASH and EAGLE drafters trained like the shipped DSPARK one (same data, steps and CPU time), for comparison
+# DSPARK, DFLASH and EAGLE drafters trained from scratch on the same data, features and CPU time, for comparison
 COMPARISON = Path(__file__).resolve().parent / "drafters"
 
 
@@ -50,6 +50,8 @@ def configurations(args: argparse.Namespace) -> dict[str, dict]:
               "speculative_block_size": BLOCK, "speculative_dspark_confidence_threshold": 0.0}
     configs = {"none": {}, "dspark": {**dspark, "speculative_ngram_hybrid": True}, "dspark_pure": dspark,
                "ngram": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": BLOCK}}
+    if args.dspark_matched:
+        configs["dspark_matched"] = {**dspark, "speculative_draft_model_path": args.dspark_matched}
     if args.dflash:
         configs["dflash"] = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": args.dflash,
                              "speculative_block_size": BLOCK}
@@ -62,10 +64,10 @@ def configurations(args: argparse.Namespace) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dspark", default=str(EMBEDDED_DSPARK), help="DSPARK drafter folder")
-    for algorithm in ("dflash", "eagle"):
+    for algorithm, flag in (("dspark", "--dspark-matched"), ("dflash", "--dflash"), ("eagle", "--eagle")):
         folder = COMPARISON / f"smollm2-135m-{algorithm}"
-        parser.add_argument(f"--{algorithm}", default=str(folder) if folder.is_dir() else None,
-                            help=f"{algorithm.upper()} drafter folder (default: "
+        parser.add_argument(flag, default=str(folder) if folder.is_dir() else None,
+                            help=f"comparison {algorithm.upper()} drafter folder (default: "
                                  f"{folder.relative_to(COMPARISON.parent.parent)} if present; skipped if none)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--num-prompts", type=int, default=30)
@@ -113,12 +115,13 @@ def main() -> None:
     def macro(label: str) -> float | None:
         return s[label]["accept_length"] if label in s else None
 
-    summary = {f"{label}_macro_accept_length": macro(label) for label in ("dspark", "dspark_pure", "dflash", "eagle",
-                                                                         "ngram")}
+    summary = {f"{label}_macro_accept_length": macro(label) for label in ("dspark", "dspark_pure", "dspark_matched",
+                                                                         "dflash", "eagle", "ngram")}
     summary["dspark_vs_ngram"] = round(macro("dspark") / macro("ngram"), 3)
-    for other in ("dflash", "eagle"):
-        if macro(other):
-            summary[f"dspark_pure_vs_{other}"] = round(macro("dspark_pure") / macro(other), 3)
+    for dspark in ("dspark_pure", "dspark_matched"):
+        for other in ("dflash", "eagle"):
+            if macro(dspark) and macro(other):
+                summary[f"{dspark}_vs_{other}"] = round(macro(dspark) / macro(other), 3)
     summary["text_differs"] = sum(s[label].get("text_differs", 0) for label in s)
     plot(record, RESULTS / "acceptance.png")
     path = write_result("acceptance", summary, {"per_algorithm": s, "results": record["results"],
