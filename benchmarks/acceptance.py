@@ -1,8 +1,9 @@
 """Acceptance length (emitted tokens / verify steps, greedy) per workload of every drafter for the embedded
 SmolLM2-135M target: DSPARK as shipped (n-gram hybrid), DSPARK's drafter alone, NGRAM, and the DSPARK / DFLASH /
-EAGLE drafters trained for comparison on the same data and CPU time (benchmarks/drafters/). Block windows are verified in full (confidence
-threshold 0), so the numbers say how far each drafter's guesses hold, not how the budget planner trades them
-against batch cost (benchmarks/batch_sweep.py measures that). Plain decoding runs too: every greedy text must match it.
+EAGLE drafters trained for comparison on the same data and CPU time (benchmarks/drafters/). Block windows are
+verified in full (confidence threshold 0), so the numbers say how far each drafter's guesses hold, not how the
+budget planner trades them against batch cost (benchmarks/batch_sweep.py measures that). Plain decoding runs too:
+every greedy text must match it.
 
     python benchmarks/acceptance.py                      # 30 prompts per workload, 256 new tokens
 
