@@ -48,8 +48,8 @@ def hybrid_step(hybrid: NgramHybrid, req: Request, block: Candidate, accepted: i
     plan = StepPlan((ScheduledRequest(req, len(req.all_token_ids) - 1, 1, True, 4),))
     candidates = {0: block}
     hybrid.weigh(plan, candidates, 4)
-    if candidates[0].from_ngram:
-        hybrid.verifying(req, len(candidates[0].drafts))
+    if candidates[0].ngram_match:
+        hybrid.verifying(req, candidates[0].ngram_match, len(candidates[0].drafts))
     hybrid.record(plan, VerifyResult((RequestVerifyResult((0,) * (accepted + 1), accepted),)))
     return candidates[0]
 
@@ -59,16 +59,15 @@ def test_hybrid_keeps_the_ngram_record_per_match_length():
     hybrid = NgramHybrid(1, 4)
     block = Candidate([7, 7, 7, 7], [], [0.4] * 4)
     short = Request("a", [5, 1, 2, 3, 6, 5], SamplingParams())      # only the 1-gram `5` matches
-    assert hybrid_step(hybrid, short, block, accepted=0).from_ngram      # the even prior beats 0.4
+    assert hybrid_step(hybrid, short, block, accepted=0).ngram_match == 1   # the even prior beats 0.4
     assert hybrid.per_request["a"][1].counts == [1]
-    assert not hybrid_step(hybrid, short, block, accepted=0).from_ngram  # its 1-gram match has failed once
+    assert not hybrid_step(hybrid, short, block, accepted=0).ngram_match  # its 1-gram match has failed once
     short.output_token_ids.extend([1, 2, 3])                             # now `5 1 2 3` matches: 4 tokens
-    drafts, rates = hybrid.lookup(short, 4)
-    assert drafts == [6, 5, 1, 2] and rates == [0.5] * 4
-    assert hybrid_step(hybrid, short, block, accepted=4).from_ngram
+    assert hybrid.lookup(short, 4) == Candidate([6, 5, 1, 2], [], [0.5] * 4, ngram_match=4)
+    assert hybrid_step(hybrid, short, block, accepted=4).ngram_match == 4
     assert set(hybrid.per_request["a"]) == {1, 4}
     hybrid.release(short)
-    assert not hybrid.per_request and not hybrid.pending and not hybrid.matched
+    assert not hybrid.per_request and not hybrid.pending
 
 
 def reference_lookup(tokens, ngram_min, ngram_max, k):

@@ -124,13 +124,13 @@ class BlockDrafterProposer(CommittedContext):
         draft_tokens: list[tuple[int, ...]] = [()] * len(plan.scheduled)
         draft_probs: list[torch.Tensor | None] = [None] * len(plan.scheduled)
         draft_conf: list[tuple[float, ...] | None] = [None] * len(plan.scheduled)
-        for i, (d, q, c, from_ngram) in candidates.items():
+        for i, (d, q, c, ngram_match) in candidates.items():
             m = windows[i]
             draft_tokens[i] = tuple(d[:m])
             draft_probs[i] = torch.stack(q[:m]) if q and m else None
             draft_conf[i] = tuple(c[:m]) if c is not None else None
-            if from_ngram and m:
-                self.hybrid.verifying(plan.scheduled[i].request, m)
+            if ngram_match and m:
+                self.hybrid.verifying(plan.scheduled[i].request, ngram_match, m)
             elif c is not None and m:
                 self.pending[plan.scheduled[i].request.request_id] = c[:m]
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))

@@ -103,34 +103,30 @@ class NgramHybrid:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.per_request: dict[str, dict[int, RowMeans]] = {}   # request id → match length → its rows' record
         self.pending: dict[str, tuple[int, int]] = {}     # request id → (match length, n-gram drafts verified)
-        self.matched: dict[str, int] = {}                 # request id → match length of this step's lookup
 
-    def lookup(self, req: Request, n: int) -> tuple[list[int], list[float]]:
-        """The continuation and its rows' estimates; remembers the match length for `verifying`."""
+    def lookup(self, req: Request, n: int) -> Candidate | None:
+        """Up to n drafts of prompt lookup with its rows' estimates and match length; None if nothing matches."""
         length, end = longest_match(req.all_token_ids, self.ngram_min, self.ngram_max) if n > 0 else (0, -1)
         if not length:
-            return [], []
-        self.matched[req.request_id] = length
-        drafts = continuation(req.all_token_ids, end, n)
+            return None
         seen = self.per_request.get(req.request_id, {}).get(length) or RowMeans()
-        return drafts, seen.means(len(drafts))
+        return Candidate(continuation(req.all_token_ids, end, n), [], seen.means(n), ngram_match=length)
 
     def weigh(self, plan: StepPlan, candidates: dict[int, Candidate], max_rows: int) -> None:
         """Swap in the n-gram continuation wherever it promises more accepted tokens (or no block ran)."""
-        self.matched.clear()
         for i, s in enumerate(plan.scheduled):
             if not s.samples or s.max_drafts <= 0:
                 continue
-            drafts, rates = self.lookup(s.request, min(max_rows, s.max_drafts))
-            if not drafts:
+            ngram = self.lookup(s.request, min(max_rows, s.max_drafts))
+            if ngram is None:
                 continue
             block = candidates.get(i)
-            if block is None or sum(survivals(rates)) > sum(survivals(block.confidences)):
-                candidates[i] = Candidate(drafts, [], rates, from_ngram=True)
+            if block is None or sum(survivals(ngram.confidences)) > sum(survivals(block.confidences)):
+                candidates[i] = ngram
 
-    def verifying(self, req: Request, num_drafts: int) -> None:
-        """The request verifies `num_drafts` n-gram drafts this step; `record` learns how many held."""
-        self.pending[req.request_id] = (self.matched[req.request_id], num_drafts)
+    def verifying(self, req: Request, match_length: int, num_drafts: int) -> None:
+        """The request verifies `num_drafts` drafts of an n-gram match this step; `record` learns how many held."""
+        self.pending[req.request_id] = (match_length, num_drafts)
 
     def record(self, plan: StepPlan, result: VerifyResult) -> None:
         for s, res in zip(plan.scheduled, result.per_request):
@@ -143,4 +139,3 @@ class NgramHybrid:
     def release(self, req: Request) -> None:
         self.per_request.pop(req.request_id, None)
         self.pending.pop(req.request_id, None)
-        self.matched.pop(req.request_id, None)

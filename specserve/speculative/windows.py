@@ -27,7 +27,7 @@ class Candidate(NamedTuple):
     drafts: list[int]
     probs: list[torch.Tensor]            # q rows the drafts were sampled from; empty: deterministic
     confidences: list[float] | None      # per-row confidences (DSPARK's, or the n-gram rows' record)
-    from_ngram: bool = False
+    ngram_match: int = 0                 # the n-gram lookup's match length; 0: the block's drafts
 
 
 class RowMeans:
@@ -175,7 +175,7 @@ class BudgetPlanner:
         self.held.setdefault(req.request_id, RowMeans()).add_verified(reached, num_accepted)
 
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
-        confidences = {i: c.confidences if c.from_ngram else self._calibrated(plan.scheduled[i].request, c.confidences)
+        confidences = {i: c.confidences if c.ngram_match else self._calibrated(plan.scheduled[i].request, c.confidences)
                        for i, c in candidates.items()}
         window_of = self._budget(plan, confidences)
         return {i: window_of[i] for i in candidates}
