@@ -313,16 +313,15 @@ class TensorParallelModel:
         except RankFailure:
             raise
         except RuntimeError as exc:       # gloo: a peer closed its connection
-            raise RankFailure(f"a tensor-parallel collective failed: {self._dead_rank()}{exc}") from exc
+            self._wait_for_an_exit()
+            check_alive(self.processes)   # names the rank whose death broke the collective
+            raise RankFailure(f"a tensor-parallel collective failed: {exc}") from exc
 
-    def _dead_rank(self, wait_s: float = 2.0) -> str:
-        """Name the rank whose death broke a collective: the peer's socket can close before its exit is seen."""
+    def _wait_for_an_exit(self, wait_s: float = 2.0) -> None:
+        """A dying rank's socket can close before its exit is seen: give it that long to be reaped."""
         deadline = time.monotonic() + wait_s
-        for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if not p.is_alive():
-                return f"rank process {p.name} exited with code {p.exitcode}; "
-        return ""
+        while all(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _key(self, pool: KVPool) -> int:
         key = self._pool_keys.get(pool)
