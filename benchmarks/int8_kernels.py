@@ -19,6 +19,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_result  # noqa: E402
+from specserve import native  # noqa: E402
+from specserve.native.ops import pack  # noqa: E402
 from specserve.quantization import Int8Linear, quantize_rows  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -36,6 +38,10 @@ def kernels(weights: list[torch.Tensor]) -> dict:
         "int8 ours (native kernel, per-token)": ([Int8Linear.of(w) for w in weights], lambda p, x: p(x)),
     }
     quantized = [quantize_rows(w) for w in weights]
+    if native.vnni():
+        out["int8 ours, AVX2 path (on a VNNI CPU)"] = (
+            [(pack(q, vnni=False), s) for q, s in quantized],
+            lambda p, x: torch.ops.specserve.int8_linear(x, None, 0.0, False, p[0], p[1], None, None))
     per_channel = [torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
                    for q, s in quantized]
     padded = [torch._make_per_channel_quantized_tensor(torch.cat([q, q.new_zeros(len(q), 2)], dim=1), s.double(),
@@ -118,7 +124,8 @@ def main() -> None:
         print(f"{name:34s} " + " ".join(f"{r}:{t:8.2f}" for r, t in ms.items()) +
               f"  row-invariant {results[name]['row_invariant']}", flush=True)
     ours, fp32 = results["int8 ours (native kernel, per-token)"]["ms"], results["fp32 oneDNN prepacked"]["ms"]
-    summary = {"int8_ours_ms_1_row": ours[args.rows[0]], "fp32_ms_1_row": fp32[args.rows[0]],
+    summary = {"int8_path": "avx512vnni" if native.vnni() else "avx2",
+               "int8_ours_ms_1_row": ours[args.rows[0]], "fp32_ms_1_row": fp32[args.rows[0]],
                "int8_speedup_1_row": round(fp32[args.rows[0]] / ours[args.rows[0]], 2),
                "int8_ours_8_over_1": round(ours.get(8, float("nan")) / ours[args.rows[0]], 3),
                "fbgemm_per_token_over_ours": {r: round(t / ours[r], 2) for r, t in

@@ -15,6 +15,8 @@ Bits, measured as mean NLL on held-out ShareGPT answers against float32 (SmolLM2
 and one activation scale per row, +2.8%; 8-bit weights and one scale per row, +1.7%; 8-bit weights and a scale per
 group of 128, +0.6% (groups of 32: +0.5%). x86 without VNNI sums pairs of uint8 x int8 products into int16 with
 saturation; the kernel multiplies |q| by the weight carrying q's sign, which stays below 2 * 127 * 127 < 32767.
+Where the CPU has AVX-512 VNNI the weights are packed for its path (16 output channels in the lanes of one register,
+four products per lane and instruction, ~3x the multi-row throughput); both paths give the same bits.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class Int8Linear(torch.nn.Module):
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
         native.register()               # forward calls its op, which must exist before a stack is scripted
-        self.weight = pack(q)
+        self.weight = pack(q, vnni=native.vnni())
         self.in_features = q.shape[1]
         self.scale = scale.to(torch.float32)
         self.bias = None if bias is None else bias.to(torch.float32)

@@ -14,6 +14,7 @@ from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.layers import Linear
 from specserve.models.llama import LlamaModel
 from specserve.native.ops import int8_linear as reference
+from specserve.native.ops import pack, unpack
 from specserve.quantization import WEIGHT_MAX, Int8Linear, quantize_rows
 from tests.gguf_writer import Q, make_tiny_gguf
 
@@ -99,6 +100,27 @@ def test_fused_forms_match_the_float_linear_forms():
     int8_wide, fp32_wide = Int8Linear.of(wide_weight), Linear(wide_weight)
     want = fp32_wide.glu(gate_up)
     assert (int8_wide.glu(gate_up) - want).norm() / want.norm() < 0.03
+
+
+@pytest.mark.parametrize("out, inp", [(7, 100), (16, 64), (40, 300)])
+def test_both_weight_layouts_hold_the_weights_and_give_the_same_bits(out, inp):
+    """Blocks of 4 channels x 32 inputs (AVX2) and of 16 channels x 4 inputs (AVX-512 VNNI) unpack to the same
+    weights and compute the same bits: 11 rows leave partial tiles of 8 and 2; channels that are not a multiple of
+    16 leave masked lanes. The kernel's VNNI path runs where the CPU has it; the reference reads either layout."""
+    g = torch.Generator().manual_seed(3)
+    q, scale = quantize_rows(torch.randn(out, inp, generator=g))
+    bias, x = torch.randn(out, generator=g), torch.randn(11, inp, generator=g) * 3
+    residual = torch.randn(11, out, generator=g)
+    four, sixteen = pack(q), pack(q, vnni=True)
+    assert four.shape[2:] == (4, 32) and sixteen.shape[2:] == (16, 4)
+    assert torch.equal(unpack(four, out, inp), q) and torch.equal(unpack(sixteen, out, inp), q)
+    want = torch.ops.specserve.int8_linear(x, None, 0.0, False, four, scale, bias, residual)
+    assert torch.equal(reference(x, None, 0.0, False, sixteen, scale, bias, residual), want)
+    if native.vnni():
+        got = torch.ops.specserve.int8_linear(x, None, 0.0, False, sixteen, scale, bias, residual)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.ops.specserve.int8_linear(x[4:5], None, 0.0, False, sixteen, scale, bias,
+                                                           residual[4:5]), want[4:5])
 
 
 def test_rows_at_the_extremes_do_not_saturate():

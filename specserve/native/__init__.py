@@ -66,10 +66,19 @@ def register() -> bool:
 _libraries: list[torch.library.Library] = []
 
 
-def has_avx2() -> bool:
+def cpu_flags() -> set[str]:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("flags")), [])
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                     if line.startswith("flags")), []))
+
+
+def has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+@functools.cache
+def vnni() -> bool:
+    """Whether int8 weights are packed for the kernel's AVX-512 VNNI path: the kernels are built and the CPU has it."""
+    return register() and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_flags()

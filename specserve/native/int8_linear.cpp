@@ -12,6 +12,12 @@
 // row cost SmolLM2 2.6 points of NLL more: per-token outliers flatten the rest of the row). Weights: 8 bits per output
 // channel. x86 without VNNI multiplies with _mm256_maddubs_epi16 (uint8 x int8, pairs summed into int16 with
 // saturation): it takes |q| and the weight with q's sign, and 2 * 127 * 127 < 32767 never saturates.
+//
+// Two weight layouts, two paths (ops.pack writes the one the CPU suits): blocks of 4 channels x 32 inputs, whose
+// dot products end in horizontal sums (AVX2); and blocks of 16 channels x 4 inputs, one channel per 32-bit lane,
+// for AVX-512 VNNI, whose _mm512_dpbusd_epi32 adds four uint8 x int8 products into each lane's int32: it takes
+// q + 128 and subtracts 128 times the weights' sum. Both give every group the same exact integer and apply the
+// same float steps to it, so the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -157,23 +164,105 @@ struct Product {
   }
 };
 
+#define SPECSERVE_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+constexpr int64_t LANES = 16;         // output channels of a VNNI block, one per 32-bit lane of a 512-bit register
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// q + 128 as uint8, what dpbusd's unsigned operand takes
+SPECSERVE_VNNI void shift(int8_t* a, int64_t n) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) _mm512_storeu_si512(a + i, _mm512_xor_si512(_mm512_loadu_si512(a + i), bias));
+  for (; i < n; ++i) a[i] = static_cast<int8_t>(a[i] ^ 0x80);
+}
+
+struct ProductVnni {
+  const int8_t* a;           // [rows, k_pad], shifted
+  const float* a_scale;      // [rows, groups]
+  int64_t groups;
+  const int8_t* w;           // [blocks of 16 channels, k_pad / 4, 16, 4]
+  const float* w_scale;      // [channels]
+  const float* bias;         // [channels] or null
+  const float* residual;     // [rows, channels] or null
+  float* out;                // [rows, channels]
+  int64_t channels, k_pad;
+
+  // R rows x the 16 channels from c0: per group, acc = (q + 128) . w and offset = 128 . w lane by lane, and the
+  // float total adds (acc - offset) * the row's group scale, a multiply and an add as the AVX2 path.
+  template <int R>
+  SPECSERVE_VNNI void block(int64_t r0, int64_t c0) const {
+    const __m512i bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int8_t* blk = w + c0 * k_pad;
+    const int8_t* rows_a = a + r0 * k_pad;
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k_pad; k0 += GROUP) {
+      const int64_t k1 = std::min(k_pad, k0 + GROUP);
+      __m512i acc[R], offset = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k1; k += 4) {
+        const __m512i wv = _mm512_loadu_si512(blk + LANES * k);
+        offset = _mm512_dpbusd_epi32(offset, bias128, wv);
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, rows_a + r * k_pad + k, 4);
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(quad), wv);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm512_add_ps(total[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
+                                                         _mm512_set1_ps(a_scale[(r0 + r) * groups + k0 / GROUP])));
+    }
+    const __mmask16 live = channels - c0 >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << (channels - c0)) - 1);
+    const __m512 scale = _mm512_maskz_loadu_ps(live, w_scale + c0);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + c0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 y = _mm512_mul_ps(total[r], scale);
+      if (bias) y = _mm512_add_ps(y, b);
+      if (residual) y = _mm512_add_ps(_mm512_maskz_loadu_ps(live, residual + (r0 + r) * channels + c0), y);
+      _mm512_mask_storeu_ps(out + (r0 + r) * channels + c0, live, y);
+    }
+  }
+
+  void rows_of(int64_t r0, int64_t r1, int64_t c0) const {
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) block<8>(r, c0);
+    if (r1 - r >= 4) { block<4>(r, c0); r += 4; }
+    if (r1 - r >= 2) { block<2>(r, c0); r += 2; }
+    if (r1 - r == 1) block<1>(r, c0);
+  }
+};
+
 }  // namespace
 
-// x: [rows, in] float32 ([rows, 2 * in] with glu); norm_weight: [in]; weight: [ceil(out / 4), k_pad / 32, 4, 32]
-// int8 (k_pad: in rounded up to 32; zero-padded; see ops.pack); weight_scale: [out] float32; bias: [out];
+// x: [rows, in] float32 ([rows, 2 * in] with glu); norm_weight: [in]; weight: int8 [ceil(out / 4), k_pad / 32, 4,
+// 32], or [ceil(out / 16), k_pad / 4, 16, 4] for VNNI (k_pad: in rounded up to 32; zero-padded; see ops.pack);
+// weight_scale: [out] float32; bias: [out];
 // residual: [rows, out], added to the result (the layer's residual stream) → [rows, out] float32
 at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& norm_weight, double eps, bool glu,
                        const at::Tensor& weight, const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual_in) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "int8_linear takes [rows, in] float32");
   TORCH_CHECK(!(glu && norm_weight.has_value()), "int8_linear: glu or a norm, not both");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 4 &&
-              weight.size(2) == 4 && weight.size(3) == 32,
-              "int8_linear: weight must be int8 [out / 4, in / 32, 4, 32]");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 4,
+              "int8_linear: weight must be int8 [out / 4, in / 32, 4, 32] or [out / 16, in / 4, 16, 4]");
+  const bool vnni = weight.size(2) == LANES && weight.size(3) == 4;
+  TORCH_CHECK(vnni || (weight.size(2) == 4 && weight.size(3) == 32),
+              "int8_linear: weight must be int8 [out / 4, in / 32, 4, 32] or [out / 16, in / 4, 16, 4]");
+  static const bool has_vnni = cpu_has_vnni();
+  TORCH_CHECK(!vnni || has_vnni, "int8_linear: weights packed for AVX-512 VNNI, which this CPU lacks; pack them "
+              "with vnni=False");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), width = x.size(1), n = glu ? width / 2 : width;
-  const int64_t channels = weight_scale.numel(), k_pad = weight.size(1) * 32;
-  TORCH_CHECK(weight.size(0) == (channels + 3) / 4,
+  const int64_t block_channels = vnni ? LANES : 4;
+  const int64_t channels = weight_scale.numel(), k_pad = vnni ? weight.size(1) * 4 : weight.size(1) * 32;
+  TORCH_CHECK(weight.size(0) == (channels + block_channels - 1) / block_channels && k_pad % 32 == 0,
               "int8_linear: weight and weight_scale disagree on the output channels");
   TORCH_CHECK((!glu || width % 2 == 0) && n <= k_pad && k_pad - n < 32, "int8_linear: input width ", width,
               " does not fit a weight of width ", k_pad);
@@ -211,19 +300,27 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
         src = h.data();
       }
       quantize(src, n, k_pad, a.data() + r * k_pad, a_scale.data() + r * groups);
+      if (vnni) shift(a.data() + r * k_pad, k_pad);
     }
   });
   at::Tensor out = at::empty({rows, channels}, x.options());
-  const Product p{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
-                  b.defined() ? b.data_ptr<float>() : nullptr,
-                  residual.defined() ? residual.data_ptr<float>() : nullptr, out.data_ptr<float>(), channels, k_pad};
-  const int64_t blocks = (channels + 3) / 4;
-  for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
-    const int64_t r1 = std::min(rows, r0 + ROW_CHUNK);
-    at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) p.rows_of(r0, r1, blk * 4);
-    });
-  }
+  const int64_t blocks = weight.size(0);
+  const auto each_block = [&](const auto& product, int64_t grain) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+      const int64_t r1 = std::min(rows, r0 + ROW_CHUNK);
+      at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t blk = begin; blk < end; ++blk) product.rows_of(r0, r1, blk * block_channels);
+      });
+    }
+  };
+  const float* bias_p = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* residual_p = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  if (vnni)
+    each_block(ProductVnni{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(),
+                           weight_scale.data_ptr<float>(), bias_p, residual_p, out.data_ptr<float>(), channels, k_pad}, 2);
+  else
+    each_block(Product{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
+                       bias_p, residual_p, out.data_ptr<float>(), channels, k_pad}, 8);
   return out;
 }
 

@@ -50,17 +50,21 @@ def paged_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out.view(len(qkv), -1)
 
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] int8 → the kernel's layout [ceil(out / 4), ceil(in / 32), 4, 32], zero-padded: each block of 4
-    output channels holds their 32 weights of each step side by side, so that a block is one stream to read."""
+def pack(q: torch.Tensor, vnni: bool = False) -> torch.Tensor:
+    """[out, in] int8 → a kernel layout, zero-padded. Without VNNI [ceil(out / 4), ceil(in / 32), 4, 32]: each block
+    of 4 output channels holds their 32 weights of each step side by side, so that a block is one stream to read.
+    With VNNI [ceil(out / 16), ceil(in / 32) * 8, 16, 4]: each block of 16 channels holds their 4 weights of each
+    step side by side, one channel per 32-bit lane."""
     out, inp = q.shape
-    padded = F.pad(q, (0, -inp % 32, 0, -out % 4))
-    return padded.view(padded.shape[0] // 4, 4, -1, 32).transpose(1, 2).contiguous()
+    channels = 16 if vnni else 4
+    padded = F.pad(q, (0, -inp % 32, 0, -out % channels))
+    step = 4 if vnni else 32
+    return padded.view(padded.shape[0] // channels, channels, -1, step).transpose(1, 2).contiguous()
 
 
 def unpack(weight: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """`pack`'s inverse: [out, in] int8."""
-    return weight.transpose(1, 2).reshape(-1, weight.shape[1] * 32)[:out, :inp]
+    """`pack`'s inverse, for either layout: [out, in] int8."""
+    return weight.transpose(1, 2).reshape(-1, weight.shape[1] * weight.shape[3])[:out, :inp]
 
 
 def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, glu: bool, weight: torch.Tensor,
