@@ -197,6 +197,7 @@ struct ProductVnni {
   // float total adds (acc - offset) * the row's group scale, a multiply and an add as the AVX2 path.
   template <int R>
   SPECSERVE_VNNI void block(int64_t r0, int64_t c0) const {
+    constexpr int CHAINS = R < 4 ? 4 / R : 1;      // a group's 32 steps divide by 4
     const __m512i bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
     const int8_t* blk = w + c0 * k_pad;
     const int8_t* rows_a = a + r0 * k_pad;
@@ -204,20 +205,29 @@ struct ProductVnni {
     for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < k_pad; k0 += GROUP) {
       const int64_t k1 = std::min(k_pad, k0 + GROUP);
-      __m512i acc[R], offset = _mm512_setzero_si512();
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-      for (int64_t k = k0; k < k1; k += 4) {
-        const __m512i wv = _mm512_loadu_si512(blk + LANES * k);
-        offset = _mm512_dpbusd_epi32(offset, bias128, wv);
-        for (int r = 0; r < R; ++r) {
-          int32_t quad;
-          std::memcpy(&quad, rows_a + r * k_pad + k, 4);
-          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(quad), wv);
+      // CHAINS accumulators per row take turns over the steps, so that few rows do not wait on dpbusd's latency
+      __m512i acc[CHAINS][R], offset[CHAINS];
+      for (int j = 0; j < CHAINS; ++j) {
+        offset[j] = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_si512();
+      }
+      for (int64_t k = k0; k < k1; k += 4 * CHAINS) {
+        for (int j = 0; j < CHAINS; ++j) {
+          const __m512i wv = _mm512_loadu_si512(blk + LANES * (k + 4 * j));
+          offset[j] = _mm512_dpbusd_epi32(offset[j], bias128, wv);
+          for (int r = 0; r < R; ++r) {
+            int32_t quad;
+            std::memcpy(&quad, rows_a + r * k_pad + k + 4 * j, 4);
+            acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], _mm512_set1_epi32(quad), wv);
+          }
         }
       }
-      for (int r = 0; r < R; ++r)
-        total[r] = _mm512_add_ps(total[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
+      for (int r = 0; r < R; ++r) {
+        __m512i exact = _mm512_sub_epi32(acc[0][r], offset[0]);
+        for (int j = 1; j < CHAINS; ++j) exact = _mm512_add_epi32(exact, _mm512_sub_epi32(acc[j][r], offset[j]));
+        total[r] = _mm512_add_ps(total[r], _mm512_mul_ps(_mm512_cvtepi32_ps(exact),
                                                          _mm512_set1_ps(a_scale[(r0 + r) * groups + k0 / GROUP])));
+      }
     }
     const __mmask16 live = channels - c0 >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << (channels - c0)) - 1);
     const __m512 scale = _mm512_maskz_loadu_ps(live, w_scale + c0);
