@@ -25,6 +25,15 @@ CHAT_PROMPTS = [
 ]
 
 
+def simd() -> str:
+    """The vector instructions our kernels use here: one model name covers hosts with and without AVX-512 VNNI."""
+    from specserve import native
+
+    if native.vnni():
+        return "avx512vnni"
+    return "avx2" if native.register() else "none (Python references)"
+
+
 def machine_info() -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -35,7 +44,7 @@ def machine_info() -> dict:
     if Path("/proc/cpuinfo").exists():
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name")), "")
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu, "simd": simd(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "git_sha": sha,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 

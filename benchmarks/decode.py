@@ -27,7 +27,6 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.common import CHAT_PROMPTS as PROMPTS  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
-from specserve import native  # noqa: E402
 from specserve.engine import LLM  # noqa: E402
 from specserve.loader import load_checkpoint  # noqa: E402
 from specserve.loader.safetensors import hf_config  # noqa: E402
@@ -177,7 +176,6 @@ def main() -> None:
 
     r = {k: v["tokens_per_s"] for k, v in rows.items()}
     summary = {
-        "int8_path": "avx512vnni" if native.vnni() else "avx2",
         "int8_b1_tokens_per_s": r["specserve int8_b1"], "float32_b1_tokens_per_s": r["specserve float32_b1"],
         "transformers_b1_tokens_per_s": r["transformers_b1"],
         "int8_b8_tokens_per_s": r["specserve int8_b8"], "float32_b8_tokens_per_s": r["specserve float32_b8"],

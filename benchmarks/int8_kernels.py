@@ -124,8 +124,7 @@ def main() -> None:
         print(f"{name:34s} " + " ".join(f"{r}:{t:8.2f}" for r, t in ms.items()) +
               f"  row-invariant {results[name]['row_invariant']}", flush=True)
     ours, fp32 = results["int8 ours (native kernel, per-token)"]["ms"], results["fp32 oneDNN prepacked"]["ms"]
-    summary = {"int8_path": "avx512vnni" if native.vnni() else "avx2",
-               "int8_ours_ms_1_row": ours[args.rows[0]], "fp32_ms_1_row": fp32[args.rows[0]],
+    summary = {"int8_ours_ms_1_row": ours[args.rows[0]], "fp32_ms_1_row": fp32[args.rows[0]],
                "int8_speedup_1_row": round(fp32[args.rows[0]] / ours[args.rows[0]], 2),
                "int8_ours_8_over_1": round(ours.get(8, float("nan")) / ours[args.rows[0]], 3),
                "fbgemm_per_token_over_ours": {r: round(t / ours[r], 2) for r, t in
