@@ -132,17 +132,20 @@ inline void tile(const int8_t* a, const float* scales, int64_t groups, const int
   for (int r = 0; r < R; ++r) _mm_storeu_ps(dots[r], total[r]);
 }
 
-struct Product {
-  const int8_t* a;           // [rows, k_pad]
+// What a product reads and writes, whichever path computes it.
+struct Operands {
+  const int8_t* a;           // [rows, k_pad] (q + 128 for the VNNI path)
   const float* a_scale;      // [rows, groups]
   int64_t groups;
-  const int8_t* w;           // [blocks of 4 channels, k_pad / 32, 4, 32]
+  const int8_t* w;           // [blocks of 4 channels, k_pad / 32, 4, 32] or [blocks of 16, k_pad / 4, 16, 4]
   const float* w_scale;      // [channels]
   const float* bias;         // [channels] or null
   const float* residual;     // [rows, channels] or null
   float* out;                // [rows, channels]
   int64_t channels, k_pad;
+};
 
+struct Product : Operands {
   template <int R>
   void block(int64_t r0, int64_t c0) const {
     float dots[R][4];
@@ -182,17 +185,7 @@ SPECSERVE_VNNI void shift(int8_t* a, int64_t n) {
   for (; i < n; ++i) a[i] = static_cast<int8_t>(a[i] ^ 0x80);
 }
 
-struct ProductVnni {
-  const int8_t* a;           // [rows, k_pad], shifted
-  const float* a_scale;      // [rows, groups]
-  int64_t groups;
-  const int8_t* w;           // [blocks of 16 channels, k_pad / 4, 16, 4]
-  const float* w_scale;      // [channels]
-  const float* bias;         // [channels] or null
-  const float* residual;     // [rows, channels] or null
-  float* out;                // [rows, channels]
-  int64_t channels, k_pad;
-
+struct ProductVnni : Operands {
   // R rows x the 16 channels from c0: per group, acc = (q + 128) . w and offset = 128 . w lane by lane, and the
   // float total adds (acc - offset) * the row's group scale, a multiply and an add as the AVX2 path.
   template <int R>
@@ -323,14 +316,14 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
       });
     }
   };
-  const float* bias_p = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* residual_p = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const Operands operands{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
+                          b.defined() ? b.data_ptr<float>() : nullptr,
+                          residual.defined() ? residual.data_ptr<float>() : nullptr, out.data_ptr<float>(), channels,
+                          k_pad};
   if (vnni)
-    each_block(ProductVnni{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(),
-                           weight_scale.data_ptr<float>(), bias_p, residual_p, out.data_ptr<float>(), channels, k_pad}, 2);
+    each_block(ProductVnni{operands}, 2);
   else
-    each_block(Product{a.data(), a_scale.data(), groups, weight.data_ptr<int8_t>(), weight_scale.data_ptr<float>(),
-                       bias_p, residual_p, out.data_ptr<float>(), channels, k_pad}, 8);
+    each_block(Product{operands}, 8);
   return out;
 }
 
