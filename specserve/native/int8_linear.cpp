@@ -265,8 +265,9 @@ at::Tensor int8_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& 
   const int64_t rows = x.size(0), width = x.size(1), n = glu ? width / 2 : width;
   const int64_t block_channels = vnni ? LANES : 4;
   const int64_t channels = weight_scale.numel(), k_pad = vnni ? weight.size(1) * 4 : weight.size(1) * 32;
-  TORCH_CHECK(weight.size(0) == (channels + block_channels - 1) / block_channels && k_pad % 32 == 0,
+  TORCH_CHECK(weight.size(0) == (channels + block_channels - 1) / block_channels,
               "int8_linear: weight and weight_scale disagree on the output channels");
+  TORCH_CHECK(k_pad % 32 == 0, "int8_linear: a VNNI weight's inputs must be padded to a multiple of 32 (see ops.pack)");
   TORCH_CHECK((!glu || width % 2 == 0) && n <= k_pad && k_pad - n < 32, "int8_linear: input width ", width,
               " does not fit a weight of width ", k_pad);
   const float* wn = nullptr;
