@@ -1,6 +1,6 @@
 """Quality of --quantization int8 against float32 on the same GGUF: mean NLL / perplexity of reference
 answers (the first turns of ShareGPT conversations held out from drafter training, chat template on), also
-with a float16 KV cache under int8 (--kv-cache-dtype float16),
+with a float16 KV cache under int8 (--kv-cache-dtype float16, the default there) and an int8 one (int8),
 and greedy agreement over the first 64 new tokens of chat prompts (teacher-forced on the float32 model's
 own continuation, and the length of the common free-running prefix). Writes
 benchmarks/results/quant_quality.json.
@@ -53,7 +53,7 @@ def held_out_answers(count: int, tokenizer, max_tokens: int) -> list[tuple[list[
 
 @torch.inference_mode()
 def all_logits(model: LlamaModel, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    # → [len(ids), vocab], attention as the engine serves it (the row-invariant kernel for float32/float16 KV)
+    # → [len(ids), vocab], attention as the engine serves it (the row-invariant kernel for float32/float16/int8 KV)
     page = 16
     pool = KVPool(KVGeometry.of(model.config, kv_dtype), -(-len(ids) // page), page)
     meta = AttentionMetadata.for_pool([SeqSpan(list(range(pool.num_pages)), 0, len(ids))], pool)
@@ -82,7 +82,8 @@ def main() -> None:
     llms = {q: LLM(args.model_path, quantization=q, disable_radix_cache=True) for q in ("none", "int8")}
     tokenizer = llms["none"].tokenizer
     texts = held_out_answers(args.texts, tokenizer, args.max_tokens)
-    variants = {"none": ("none", torch.float32), "int8": ("int8", torch.float32), "int8_kv16": ("int8", torch.float16)}
+    variants = {"none": ("none", torch.float32), "int8": ("int8", torch.float32), "int8_kv16": ("int8", torch.float16),
+                "int8_kv8": ("int8", torch.int8)}
     nll = {v: [0.0, 0] for v in variants}
     for prompt, answer in tqdm(texts, desc="NLL"):
         for v, (q, kv_dtype) in variants.items():
@@ -110,6 +111,8 @@ def main() -> None:
         "nll_int8_over_fp32": round(mean["int8"] / mean["none"], 5),
         "nll_int8_kv16": round(mean["int8_kv16"], 5),
         "nll_int8_kv16_over_fp32": round(mean["int8_kv16"] / mean["none"], 5),
+        "nll_int8_kv8": round(mean["int8_kv8"], 5),
+        "nll_int8_kv8_over_fp32": round(mean["int8_kv8"] / mean["none"], 5),
         "greedy_agreement_teacher_forced": round(forced_same / forced_total, 4),
         "greedy_common_prefix_mean": round(prefix / len(prompts), 2),
     }

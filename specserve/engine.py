@@ -39,15 +39,16 @@ from specserve.types import Proposal, Request, RequestOutput, SamplingParams, Sp
 log = logging.getLogger(__name__)
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8, "float64": torch.float64}
 
 
 def attention_dtype(kv_cache_dtype: str, quantization: str, dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype. auto: float16 under int8 weights (as llama.cpp's default f16 cache: half the bytes to
     stream, and the NLL of held-out answers moved by less than the run-to-run noise, benchmarks/quant_quality.py),
-    else the compute dtype. Float32 and float16 pools attend in the row-invariant kernel (native/rows.cpp), so
-    int8 rounding never sees bits that differ between a decode step and a verify window and speculation
-    reproduces plain decoding; float64 pools take the padded-SDPA path."""
+    else the compute dtype. int8: one scale per slot and KV head, a little over half float16's bytes (what
+    long contexts stream each step). Float32, float16 and int8 pools attend in the row-invariant kernel
+    (native/rows.cpp), so int8 rounding never sees bits that differ between a decode step and a verify window and
+    speculation reproduces plain decoding; float64 pools take the padded-SDPA path."""
     if kv_cache_dtype == "auto":
         return torch.float16 if quantization == "int8" and dtype == torch.float32 else dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve import native
 from specserve.config import ModelConfig
+from specserve.native.ops import KV_SCALE_BYTES, to_pool
 
 log = logging.getLogger(__name__)
 
@@ -81,36 +83,49 @@ class KVGeometry:
         return KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
 
     @property
+    def head_width(self) -> int:
+        """Elements of one KV head in a slot: its head_dim values, and in an int8 pool their scale's 4 bytes."""
+        return self.head_dim + (KV_SCALE_BYTES if self.dtype == torch.int8 else 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_width * self.dtype.itemsize
 
 
 class KVPool:
-    """K/V of one model for every page: k[layer] is [num_slots, kv_heads, head_dim], slot = page*page_size + offset."""
+    """K/V of one model for every page: k[layer] is [num_slots, kv_heads, head_width], slot = page*page_size + offset
+    (head_width: head_dim, plus an int8 pool's scale bytes)."""
 
     def __init__(self, geometry: KVGeometry, num_pages: int, page_size: int) -> None:
         self.geometry = geometry
         self.num_pages = num_pages
         self.page_size = page_size
         self.null_slot = num_pages * page_size      # first slot of the reserved zero page
-        shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_dim)
+        shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_width)
         self.k = torch.zeros(shape, dtype=geometry.dtype)
         self.v = torch.zeros(shape, dtype=geometry.dtype)
         # each layer's view, made once: taking k[i] inside the scripted layer stack is an op per layer and step
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
+        if geometry.dtype == torch.int8:
+            native.register()     # its quantize_kv op writes the pool
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [num_tokens]; k, v: [num_tokens, kv_heads, head_dim], rounded to the pool's dtype
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+        self.k[layer].index_copy_(0, slots, to_pool(k, self.k.dtype))
+        self.v[layer].index_copy_(0, slots, to_pool(v, self.v.dtype))
 
     def fill_pages(self, pages: list[int], value: float) -> None:
-        """Overwrite whole pages (tests poison free pages with NaN to prove they are never read)."""
+        """Overwrite whole pages (tests poison free pages with NaN to prove they are never read); an int8 pool reads
+        every value as `value` (its values 1, their scale `value`)."""
         if not pages:
             return
         idx = (torch.tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
-        self.k[:, idx] = value
-        self.v[:, idx] = value
+        fill = torch.full((self.geometry.head_dim,), value)
+        if self.geometry.dtype == torch.int8:
+            fill = torch.cat([torch.ones(self.geometry.head_dim, dtype=torch.int8),
+                              torch.tensor([value], dtype=torch.float32).view(torch.int8)])
+        self.k[:, idx] = fill.to(self.k.dtype)
+        self.v[:, idx] = fill.to(self.v.dtype)
 
 
 def split_pages(memory_bytes: int, page_size: int, geometries: list[KVGeometry]) -> int:

@@ -78,8 +78,10 @@ def plain(tiny_llama) -> Run:
 
 
 @pytest.fixture(scope="module")
-def plain_int8(tiny_llama) -> Run:
-    return run(tiny_llama, PROMPTS, GREEDY, quantization="int8", **MATRIX_ENGINE)
+def plain_int8(tiny_llama):
+    """Plain int8 decoding per KV cache dtype (auto: the float64 compute dtype's; int8: the kernel's int8 path)."""
+    return functools.cache(lambda kv_cache_dtype: run(tiny_llama, PROMPTS, GREEDY, quantization="int8",
+                                                      kv_cache_dtype=kv_cache_dtype, **MATRIX_ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +109,10 @@ def drive(engine: Engine, prompts, params, poison: bool = True) -> Run:
 @pytest.fixture(scope="module")
 def spec_run(tiny_llama, drafters):
     @functools.cache
-    def go(case: str, gamma: int, batch: int, quantization: str = "none", chunk: int | None = None):
+    def go(case: str, gamma: int, batch: int, quantization: str = "none", chunk: int | None = None,
+           kv_cache_dtype: str = "auto"):
         engine = make_engine(tiny_llama, speculative_block_size=gamma, quantization=quantization, **MATRIX_ENGINE,
-                             max_prefill_chunk=chunk, **BLOCK_CASES[case](drafters))
+                             max_prefill_chunk=chunk, kv_cache_dtype=kv_cache_dtype, **BLOCK_CASES[case](drafters))
         context, seen = capture_draft_context(engine), record_proposals(engine)
         return drive(engine, PROMPTS[:batch], GREEDY[:batch]), context, seen
     return go
@@ -125,12 +128,14 @@ def test_greedy_block_drafting_is_lossless(plain, spec_run, case, gamma, batch):
     assert_pages_released(spec.engine)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("gamma", GAMMAS)
 @pytest.mark.parametrize("case", ["dflash", "dspark-budget", "dspark-threshold", "dspark-hybrid"])
-def test_greedy_block_drafting_is_lossless_with_int8(plain_int8, spec_run, case, gamma, batch):
-    spec, *_ = spec_run(case, gamma, batch, "int8")
-    assert_same_as_plain(spec, Run(plain_int8.outputs[:batch], plain_int8.kv, plain_int8.engine))
+def test_greedy_block_drafting_is_lossless_with_int8(plain_int8, spec_run, case, gamma, batch, kv_cache_dtype):
+    spec, *_ = spec_run(case, gamma, batch, "int8", kv_cache_dtype=kv_cache_dtype)
+    want = plain_int8(kv_cache_dtype)
+    assert_same_as_plain(spec, Run(want.outputs[:batch], want.kv, want.engine))
     assert_stats_consistent(spec, gamma)
     assert_pages_released(spec.engine)
 

@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "drafters": {"config"},
     "native": set(),
     "quantization": {"loader", "native"},
-    "kv_pages": {"config"},
+    "kv_pages": {"config", "native"},
     "loader": {"config"},
     "sampling": {"types"},
     "grammar": {"types"},

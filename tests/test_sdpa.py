@@ -6,6 +6,7 @@ import torch
 from specserve.attention import sdpa
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan, paged_attention
 from specserve.kv_pages import KVGeometry, KVPool
+from specserve.native import ops
 
 
 def reference(q, k, v, causal_offset, causal):
@@ -79,7 +80,7 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_in_the_pools_dtyp
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bits(causal, kv_dtype):
     """The float32 path (AttentionMetadata.for_pool → the row-invariant kernel): the reference's result for the
@@ -111,7 +112,7 @@ def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bit
     for b, (cached, new, _) in enumerate(layout):
         full_k, full_v = torch.cat([history[b][0], k[off:off + new]]), torch.cat([history[b][1], v[off:off + new]])
         # the pool holds the K/V rounded to its dtype
-        full_k, full_v = full_k.to(kv_dtype).double(), full_v.to(kv_dtype).double()
+        full_k, full_v = [ops.from_pool(ops.to_pool(t, kv_dtype), torch.float64) for t in (full_k, full_v)]
         ref = reference(q[off:off + new].double(), full_k, full_v, cached, causal)
         torch.testing.assert_close(out[off:off + new].double(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(attend([b]), out[off:off + new]), f"sequence {b} alone differs from its rows in the batch"

@@ -8,7 +8,6 @@ import functools
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from specserve.quantization import QUANTIZATIONS
 from specserve.types import SamplingParams
 from tests.spec_harness import (
     BATCHES,
@@ -33,12 +32,16 @@ from tests.spec_harness import (
     traffic,
 )
 
+# The target's numerics the matrix runs in: float64 weights and attention, int8 weights, int8 weights over an int8 KV
+# cache (the row-invariant kernel's int8 path; the float64 layers write it through ops.quantize_kv).
+NUMERICS = {"none": {"quantization": "none"}, "int8": {"quantization": "int8"},
+            "int8-kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    """Plain decoding of all 16 prompts per quantization; each request's result does not depend on its batch."""
-    return functools.cache(lambda quantization: run(tiny_llama, PROMPTS, GREEDY, quantization=quantization,
-                                                    **MATRIX_ENGINE))
+    """Plain decoding of all 16 prompts per numerics; each request's result does not depend on its batch."""
+    return functools.cache(lambda numerics: run(tiny_llama, PROMPTS, GREEDY, **NUMERICS[numerics], **MATRIX_ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +52,19 @@ def spec_kwargs(tiny_llama):
 @pytest.fixture(scope="module")
 def spec_run(tiny_llama, spec_kwargs):
     @functools.cache
-    def go(case: str, k: int, batch: int, poison: bool = True, quantization: str = "none"):
+    def go(case: str, k: int, batch: int, poison: bool = True, numerics: str = "none"):
         return run(tiny_llama, PROMPTS[:batch], GREEDY[:batch], poison=poison, speculative_num_draft_tokens=k,
-                   quantization=quantization, **MATRIX_ENGINE, **spec_kwargs(case))
+                   **NUMERICS[numerics], **MATRIX_ENGINE, **spec_kwargs(case))
     return go
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("case", LOSSLESS_CASES)
-def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch, quantization):
-    spec = spec_run(case, k, batch, quantization=quantization)
-    want = plain(quantization)
+def test_greedy_speculation_is_lossless(plain, spec_run, case, k, batch, numerics):
+    spec = spec_run(case, k, batch, numerics=numerics)
+    want = plain(numerics)
     assert_same_as_plain(spec, Run(want.outputs[:batch], want.kv, want.engine))
     assert_stats_consistent(spec, k)
     assert_pages_released(spec.engine)

@@ -1,6 +1,6 @@
 """Attention over paged KV on the CPU; prefill, decode and verify windows mix freely. Two paths:
-- float32 and float16 pools: the row-invariant kernel (rows.cpp), each query row computed alone from its keys
-  (in float32; float16 K/V widen exactly as they are read), read in place
+- float32, float16 and int8 pools: the row-invariant kernel (rows.cpp), each query row computed alone from its keys
+  (in float32; float16 K/V widen exactly as they are read, int8 K/V as int8 x their head's scale), read in place
   through its sequence's slot table (`RowTables`); a row's result never depends on the rows beside it;
 - other pools (float64): ragged queries (each sequence its own count and positions) packed into padded SDPA
   calls (`AttentionChunk`), exact up to float64 rounding.
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from specserve import native
 from specserve.kv_pages import KVPool, slots_for
+from specserve.native.ops import to_pool
 
 # Decode steps, verify windows and short chunks take the grouped layout (a float64 decode step at a 4k context
 # ran ~1.7x faster in it than in SDPA's own GQA path); long prefills ran 5-20% slower in it.
@@ -107,8 +108,8 @@ class AttentionMetadata:
 
     @staticmethod
     def for_pool(spans: list[SeqSpan], pool: KVPool) -> "AttentionMetadata":
-        """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32 and float16."""
-        if pool.geometry.dtype in (torch.float32, torch.float16):
+        """The metadata of the path the pool's dtype takes: the row-invariant kernel for float32, float16 and int8."""
+        if pool.geometry.dtype in (torch.float32, torch.float16, torch.int8):
             native.register()
             rows, slot_mapping = RowTables.build(spans, pool.page_size, pool.null_slot)
             return AttentionMetadata(slot_mapping, (), rows)
@@ -149,8 +150,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] → [num_tokens, heads * head_dim]
     in q's dtype."""
     kv_dtype = k_pool.dtype
-    k_pool.index_copy_(0, slot_mapping, k.to(kv_dtype))
-    v_pool.index_copy_(0, slot_mapping, v.to(kv_dtype))
+    k_pool.index_copy_(0, slot_mapping, to_pool(k, kv_dtype))
+    v_pool.index_copy_(0, slot_mapping, to_pool(v, kv_dtype))
     if rows is not None:
         out = torch.ops.specserve.paged_attention_rows(q.float().contiguous(), k_pool, v_pool, rows.seq,
                                                        rows.length, rows.slots, scale)

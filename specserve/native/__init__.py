@@ -37,7 +37,8 @@ def references() -> dict[str, tuple[str, Callable]]:
     """op name → (schema, the Python function computing what its kernel computes)."""
     return {"paged_attention_rows": (ops.PAGED_ATTENTION_ROWS, ops.paged_attention_rows),
             "paged_attention_qkv": (ops.PAGED_ATTENTION_QKV, ops.paged_attention_qkv),
-            "int8_linear": (ops.INT8_LINEAR, ops.int8_linear)}
+            "int8_linear": (ops.INT8_LINEAR, ops.int8_linear),
+            "quantize_kv": (ops.QUANTIZE_KV, ops.quantize_kv)}
 
 
 @functools.cache

@@ -13,6 +13,38 @@ PAGED_ATTENTION_QKV = ("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, 
 INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, Tensor weight, Tensor weight_scale, "
                "Tensor? bias, Tensor? residual=None) -> Tensor")
 ACTIVATION_GROUP = 128          # inputs per activation scale (native/int8_linear.cpp's GROUP)
+KV_SCALE_BYTES = 4              # an int8 pool's KV head: head_dim int8 values, then their float32 scale's bytes
+QUANTIZE_KV = "quantize_kv(Tensor x) -> Tensor"
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] float32 → [..., head_dim + 4] int8: each head's values rounded to the nearest of 255 levels
+    over its largest magnitude, then that scale's bytes (native/rows.cpp's quantize_kv, the same bits)."""
+    peak = x.abs().amax(dim=-1, keepdim=True)
+    nonzero = peak > 1e-30
+    inv = torch.where(nonzero, 127.0 / peak, torch.zeros_like(peak))
+    scale = torch.where(nonzero, peak / 127.0, torch.zeros_like(peak))
+    values = torch.round(x * inv).clamp(-127.0, 127.0).to(torch.int8)
+    return torch.cat([values, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(pool_rows: torch.Tensor) -> torch.Tensor:
+    """`quantize_kv`'s inverse as the kernel reads it: [..., head_dim + 4] int8 → [..., head_dim] float32."""
+    scale = pool_rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return pool_rows[..., :-KV_SCALE_BYTES].float() * scale
+
+
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows [..., head_dim] as a pool of `dtype` stores them (int8: the quantize_kv op, which TorchScript can
+    call where it cannot reinterpret a tensor's bytes). TorchScript-compatible: the layer stack writes through it."""
+    if dtype == torch.int8:
+        return torch.ops.specserve.quantize_kv(x.float())
+    return x.to(dtype)
+
+
+def from_pool(pool_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows as values of `dtype`: float16 widens exactly, int8 is `dequantize_kv`'s int8 x scale."""
+    return dequantize_kv(pool_rows).to(dtype) if pool_rows.dtype == torch.int8 else pool_rows.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -29,8 +61,8 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     out = torch.empty_like(q)
     for r in range(len(q)):
         slots = seq_slots[row_seq[r], :row_len[r]]
-        keys = k_pool[slots].to(q.dtype).transpose(0, 1)[None]        # float16 pools widen exactly
-        values = v_pool[slots].to(q.dtype).transpose(0, 1)[None]
+        keys = from_pool(k_pool[slots], q.dtype).transpose(0, 1)[None]
+        values = from_pool(v_pool[slots], q.dtype).transpose(0, 1)[None]
         out[r] = F.scaled_dot_product_attention(q[r][None, :, None], keys, values, scale=scale,
                                                 enable_gqa=True)[0, :, 0]
     return out
@@ -41,11 +73,11 @@ def paged_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         seq_slots: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
     """native/rows.cpp's fused op: rotary on the Q and K heads of qkv [rows, (heads + 2 * kv_heads) *
     head_dim], the new K/V written at slot_mapping, then `paged_attention_rows` → [rows, heads * head_dim]."""
-    kv_heads, d = k_pool.shape[1], k_pool.shape[2]
+    kv_heads, d = k_pool.shape[1], k_pool.shape[2] - (KV_SCALE_BYTES if k_pool.dtype == torch.int8 else 0)
     qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos.view(-1, 1, d),
                     sin.view(-1, 1, d))
-    k_pool.index_copy_(0, slot_mapping, qk[:, heads:].to(k_pool.dtype))
-    v_pool.index_copy_(0, slot_mapping, qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d).to(v_pool.dtype))
+    k_pool.index_copy_(0, slot_mapping, to_pool(qk[:, heads:], k_pool.dtype))
+    v_pool.index_copy_(0, slot_mapping, to_pool(qkv[:, (heads + kv_heads) * d:].reshape(-1, kv_heads, d), v_pool.dtype))
     out = paged_attention_rows(qk[:, :heads].contiguous(), k_pool, v_pool, row_seq, row_len, seq_slots, scale)
     return out.view(len(qkv), -1)
 

@@ -9,7 +9,8 @@
 // order, then scores 8 keys at a time for every row and head, then weighs the values row by row and head by head.
 // For each row the scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The
 // pool holds float32 or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long
-// contexts).
+// contexts), or int8 K/V with one float32 scale per slot and KV head, stored after the head's values (a quarter of
+// float32's bytes plus the scale): each value is read as int8 x scale, one rounding, the same wherever it is read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -31,43 +33,63 @@ namespace {
 constexpr int64_t SPLIT = 512;
 constexpr int64_t ROW_GROUP = 16;    // rows of one sequence that share a pass over a split's keys
 
+// Elements after a KV head's head_dim values in a slot: an int8 pool's float32 scale (4 bytes), none otherwise.
+template <typename KV>
+constexpr int64_t SCALE_ELEMS = std::is_same_v<KV, int8_t> ? 4 : 0;
+
+// The scale of the KV head whose values start at `head` (1 unless the pool is int8).
+template <typename KV>
+inline float head_scale(const KV* head, int64_t d) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float scale;
+    std::memcpy(&scale, head + d, sizeof scale);
+    return scale;
+  } else {
+    return 1.0f;
+  }
+}
+
 // Reads every cache line of the n slots' K and V once, in slot order, and returns a value made of them (so that the
 // reads stay). The pool's lines then arrive at the memory's streaming speed, ahead of the passes that use them
 // head by head: those passes, reading straight from memory, ran at a quarter of it at a 4k-token context.
 template <typename KV>
 int32_t touch(const KV* const* key_slots, const KV* const* value_slots, int64_t n, int64_t slot_size) {
-  __m256i seen = _mm256_setzero_si256();
-  const int64_t vectors = slot_size * static_cast<int64_t>(sizeof(KV)) / 32;
+  int32_t seen = 0;
+  const int64_t bytes = slot_size * static_cast<int64_t>(sizeof(KV));
   for (int64_t j = 0; j < n; ++j) {
-    const __m256i* k = reinterpret_cast<const __m256i*>(key_slots[j]);
-    const __m256i* v = reinterpret_cast<const __m256i*>(value_slots[j]);
-    for (int64_t b = 0; b < vectors; b += 2) {
-      seen = _mm256_or_si256(seen, _mm256_loadu_si256(k + b));
-      seen = _mm256_or_si256(seen, _mm256_loadu_si256(v + b));
-    }
+    const int8_t* k = reinterpret_cast<const int8_t*>(key_slots[j]);
+    const int8_t* v = reinterpret_cast<const int8_t*>(value_slots[j]);
+    for (int64_t b = 0; b < bytes; b += 64) seen |= k[b] | v[b];
   }
-  return _mm256_extract_epi32(seen, 0);
+  return seen;
 }
 
-// out[j, :] = slots[j][offset : offset + d] as float32, for j < n.
+// out[j, :] = the d values of the KV head at slots[j] + offset as float32 (times its scale in an int8 pool), j < n.
 template <typename KV>
 void widen(const KV* const* slots, int64_t n, int64_t offset, int64_t d, float* out) {
   for (int64_t j = 0; j < n; ++j) {
     const KV* src = slots[j] + offset;
     float* dst = out + j * d;
-    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      const __m256 scale = _mm256_set1_ps(head_scale(src, d));
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(load8(src + i), scale));
+    } else {
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+    }
   }
 }
 
-// acc[0 .. 8 * V) = sum over keys j < n, in order, of p[j] * values[j][offset ...]: V independent chains of FMAs.
+// acc[0 .. 8 * V) = sum over keys j < n, in order, of p[j] * the values of the KV head at values[j] + head from its
+// value `lane` on (an int8 pool's p[j] first times the head's scale): V independent chains of FMAs.
 template <int V, typename KV>
-inline void weigh(const float* p, int64_t n, const KV* const* values, int64_t offset, float* acc) {
+inline void weigh(const float* p, int64_t n, const KV* const* values, int64_t head, int64_t lane, int64_t d,
+                  float* acc) {
   __m256 a[V];
   for (int k = 0; k < V; ++k) a[k] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const KV* v = values[j] + offset;
-    for (int k = 0; k < V; ++k) a[k] = _mm256_fmadd_ps(pj, load8(v + 8 * k), a[k]);
+    const KV* h = values[j] + head;
+    const __m256 pj = _mm256_set1_ps(p[j] * head_scale(h, d));
+    for (int k = 0; k < V; ++k) a[k] = _mm256_fmadd_ps(pj, load8(h + lane + 8 * k), a[k]);
   }
   for (int k = 0; k < V; ++k) _mm256_storeu_ps(acc + 8 * k, a[k]);
 }
@@ -108,7 +130,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
               "paged_attention_rows takes contiguous tensors");
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(d % 8 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 8");
-  const int64_t group = heads / kv_heads, max_keys = seq_slots.size(1), slot_size = kv_heads * d;
+  const int64_t head_width = d + SCALE_ELEMS<KV>;
+  TORCH_CHECK(k_pool.size(2) == head_width && v_pool.size(2) == head_width,
+              "paged_attention_rows: a pool slot's KV head must hold head_dim values (int8: and 4 bytes of scale)");
+  const int64_t group = heads / kv_heads, max_keys = seq_slots.size(1), slot_size = kv_heads * head_width;
   const float fscale = static_cast<float>(scale);
   const int64_t* seq = row_seq.data_ptr<int64_t>();
   const int64_t* len = row_len.data_ptr<int64_t>();
@@ -173,7 +198,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
             block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;     // read in place
             stride = slot_size;
           } else {
-            widen(key_slots.data() + j0, 8, g * d, d, widened.data());
+            widen(key_slots.data() + j0, 8, g * head_width, d, widened.data());
           }
           for (int64_t r = it.row; r < it.row + it.rows; ++r) {
             const int64_t m = std::min<int64_t>(8, len[r] - lo - j0);
@@ -228,12 +253,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
         // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
         for (int64_t h = 0; h < heads; ++h) {
           const float* p = scores.data() + ((r - it.row) * heads + h) * split_keys;
-          const int64_t offset = (h / group) * d;
+          const int64_t offset = (h / group) * head_width;
           float* acc = part_acc.data() + (part * heads + h) * d;
           int64_t i0 = 0;
-          for (; i0 + 64 <= d; i0 += 64) weigh<8>(p, n, value_slots.data(), offset + i0, acc + i0);
-          for (; i0 + 32 <= d; i0 += 32) weigh<4>(p, n, value_slots.data(), offset + i0, acc + i0);
-          for (; i0 < d; i0 += 8) weigh<1>(p, n, value_slots.data(), offset + i0, acc + i0);
+          for (; i0 + 64 <= d; i0 += 64) weigh<8>(p, n, value_slots.data(), offset, i0, d, acc + i0);
+          for (; i0 + 32 <= d; i0 += 32) weigh<4>(p, n, value_slots.data(), offset, i0, d, acc + i0);
+          for (; i0 < d; i0 += 8) weigh<1>(p, n, value_slots.data(), offset, i0, d, acc + i0);
         }
       }
     }
@@ -269,7 +294,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, c
   TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_rows takes float32 queries");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools must share a dtype");
   if (k_pool.scalar_type() == at::kFloat) return attend<float>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
-  TORCH_CHECK(k_pool.scalar_type() == at::kHalf, "paged_attention_rows takes float32 or float16 pools");
+  if (k_pool.scalar_type() == at::kChar) return attend<int8_t>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
+  TORCH_CHECK(k_pool.scalar_type() == at::kHalf, "paged_attention_rows takes float32, float16 or int8 pools");
   return attend<uint16_t>(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale);
 }
 
@@ -288,6 +314,16 @@ inline void store(const float* x, int64_t n, KV* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KV>(x[i]);
 }
 
+// One KV head's d values into an int8 pool (ops.quantize_kv): rounded to the nearest of 255 levels over its
+// largest magnitude, then that scale's 4 bytes.
+inline void store_int8(const float* x, int64_t d, int8_t* dst) {
+  float peak = 0.0f;
+  for (int64_t i = 0; i < d; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float inv = peak > 1e-30f ? 127.0f / peak : 0.0f, scale = peak > 1e-30f ? peak / 127.0f : 0.0f;
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  std::memcpy(dst + d, &scale, sizeof scale);
+}
+
 }  // namespace
 
 // One layer's attention from its fused QKV projection, in one op: rotary on the Q and K heads, the new K/V written
@@ -302,20 +338,22 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
               "paged_attention_qkv takes float32 qkv, cos and sin");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(),
               "paged_attention_qkv: K and V pools must be contiguous and share a dtype");
-  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), d = k_pool.size(2);
+  const bool half = k_pool.scalar_type() == at::kHalf, int8 = k_pool.scalar_type() == at::kChar;
+  TORCH_CHECK(half || int8 || k_pool.scalar_type() == at::kFloat,
+              "paged_attention_qkv takes float32, float16 or int8 pools");
+  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), head_width = k_pool.size(2);
+  const int64_t d = int8 ? head_width - SCALE_ELEMS<int8_t> : head_width;
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && cos.numel() == rows * d && sin.numel() == rows * d &&
               slot_mapping.numel() == rows, "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
-  const bool half = k_pool.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || k_pool.scalar_type() == at::kFloat, "paged_attention_qkv takes float32 or float16 pools");
   at::Tensor q = at::empty({rows, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  const int64_t slot_size = kv_heads * d;
+  const int64_t slot_size = kv_heads * head_width;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> k(slot_size);
+    std::vector<float> k(kv_heads * d);
     for (int64_t r = begin; r < end; ++r) {
       const float* x = src + r * qkv.size(1);
       const float *c = cp + r * d, *s = sp + r * d;
@@ -323,7 +361,12 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
       for (int64_t h = 0; h < kv_heads; ++h) rotate(x + (heads + h) * d, c, s, d, k.data() + h * d);
       const float* v = x + (heads + kv_heads) * d;
       const int64_t at = slots[r] * slot_size;
-      if (half) {
+      if (int8) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          store_int8(k.data() + h * d, d, k_pool.data_ptr<int8_t>() + at + h * head_width);
+          store_int8(v + h * d, d, v_pool.data_ptr<int8_t>() + at + h * head_width);
+        }
+      } else if (half) {
         store(k.data(), slot_size, k_pool.data_ptr<at::Half>() + at);
         store(v, slot_size, v_pool.data_ptr<at::Half>() + at);
       } else {
@@ -335,7 +378,23 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
   return paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale).view({rows, heads * d});
 }
 
+// K or V heads into an int8 pool's layout (store_int8 per head): x: [..., head_dim] → [..., head_dim + 4] int8.
+at::Tensor quantize_kv(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quantize_kv takes float32 [..., head_dim]");
+  const int64_t d = x.size(-1), heads = d ? x.numel() / d : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = d + SCALE_ELEMS<int8_t>;
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kChar));
+  const float* src = x.data_ptr<float>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t h = 0; h < heads; ++h) store_int8(src + h * d, d, dst + h * (d + SCALE_ELEMS<int8_t>));
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("quantize_kv(Tensor x) -> Tensor");
+  m.impl("quantize_kv", c10::DispatchKey::CPU, &quantize_kv);
   m.def("paged_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor slot_mapping, Tensor row_seq, Tensor row_len, Tensor seq_slots, int heads, float scale) -> Tensor");
   m.impl("paged_attention_qkv", c10::DispatchKey::CPU, &paged_attention_qkv);
