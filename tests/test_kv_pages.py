@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.kv_pages import KVGeometry, KVPool, OutOfPages, PageAllocator, split_pages
+from specserve.native.ops import from_pool
 
 
 def test_allocate_and_free_roundtrip():
@@ -87,3 +88,19 @@ def test_fill_pages_touches_only_those_pages():
     pool = KVPool(KVGeometry(2, 1, 4, torch.float64), 3, 4)
     pool.fill_pages([1], float("nan"))
     assert pool.k[:, 4:8].isnan().all() and not pool.k[:, :4].isnan().any() and not pool.k[:, 8:].isnan().any()
+
+
+def test_an_int8_pool_holds_each_heads_scale_after_its_values_and_reads_back_what_was_written():
+    geometry = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.int8)
+    assert geometry.head_width == 68 and geometry.bytes_per_token == 2 * 30 * 3 * 68
+    pool = KVPool(KVGeometry(2, 3, 64, torch.int8), 3, 4)
+    assert pool.k.shape == (2, 16, 3, 68) and pool.k.dtype == torch.int8
+    k, v = torch.randn(4, 3, 64), torch.randn(4, 3, 64) * 100
+    pool.write(1, torch.arange(4, 8), k, v)
+    for written, stored in ((k, pool.k[1, 4:8]), (v, pool.v[1, 4:8])):
+        peak = written.abs().amax(-1, keepdim=True)
+        # at most half a level of the head's own scale off
+        assert ((from_pool(stored, torch.float32) - written).abs() <= peak / 127 * 0.5 + 1e-6).all()
+    pool.fill_pages([2], float("nan"))
+    assert from_pool(pool.k[:, 8:12], torch.float32).isnan().all()
+    assert not from_pool(pool.k[:, :8], torch.float32).isnan().any()
