@@ -73,7 +73,8 @@ def paged_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         seq_slots: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
     """native/rows.cpp's fused op: rotary on the Q and K heads of qkv [rows, (heads + 2 * kv_heads) *
     head_dim], the new K/V written at slot_mapping, then `paged_attention_rows` → [rows, heads * head_dim]."""
-    kv_heads, d = k_pool.shape[1], k_pool.shape[2] - (KV_SCALE_BYTES if k_pool.dtype == torch.int8 else 0)
+    kv_heads = k_pool.shape[1]
+    d = qkv.shape[1] // (heads + 2 * kv_heads)
     qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(-1, heads + kv_heads, d), cos.view(-1, 1, d),
                     sin.view(-1, 1, d))
     k_pool.index_copy_(0, slot_mapping, to_pool(qk[:, heads:], k_pool.dtype))

@@ -341,10 +341,12 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
   const bool half = k_pool.scalar_type() == at::kHalf, int8 = k_pool.scalar_type() == at::kChar;
   TORCH_CHECK(half || int8 || k_pool.scalar_type() == at::kFloat,
               "paged_attention_qkv takes float32, float16 or int8 pools");
-  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), head_width = k_pool.size(2);
-  const int64_t d = int8 ? head_width - SCALE_ELEMS<int8_t> : head_width;
+  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), d = qkv.size(1) / (heads + 2 * kv_heads);
+  const int64_t head_width = d + (int8 ? SCALE_ELEMS<int8_t> : 0);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && cos.numel() == rows * d && sin.numel() == rows * d &&
               slot_mapping.numel() == rows, "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
+  TORCH_CHECK(k_pool.size(2) == head_width && v_pool.size(2) == head_width,
+              "paged_attention_qkv: a pool slot's KV head must hold head_dim values (int8: and 4 bytes of scale)");
   at::Tensor q = at::empty({rows, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
