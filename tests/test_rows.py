@@ -8,6 +8,8 @@ from specserve import native
 from specserve.native import ops
 
 KV_DTYPES = [torch.float32, torch.float16, torch.int8]
+# (heads, kv_heads, head_dim): head_dim 64 and 128 take the AVX-512 path on CPUs that have it, 24 the AVX2 path
+SHAPES = [(9, 3, 64), (12, 2, 128), (6, 2, 24)]
 
 
 def exact(pool: torch.Tensor) -> torch.Tensor:
@@ -15,7 +17,8 @@ def exact(pool: torch.Tensor) -> torch.Tensor:
     return ops.from_pool(pool, torch.float32).double()
 
 
-def case(num_rows: int, heads: int = 9, kv_heads: int = 3, d: int = 64, slots: int = 3000, seed: int = 0):
+def case(num_rows: int, shape: tuple[int, int, int] = SHAPES[0], slots: int = 3000, seed: int = 0):
+    heads, kv_heads, d = shape
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(num_rows, heads, d, generator=gen)
     k_pool, v_pool = torch.randn(slots, kv_heads, d, generator=gen), torch.randn(slots, kv_heads, d, generator=gen)
@@ -23,11 +26,12 @@ def case(num_rows: int, heads: int = 9, kv_heads: int = 3, d: int = 64, slots: i
     return q, k_pool, v_pool, seq_slots
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_the_kernel_computes_what_the_reference_computes(kv_dtype):
+def test_the_kernel_computes_what_the_reference_computes(kv_dtype, shape):
     """float16 pools widen exactly as they are read, int8 ones as int8 x scale: the reference sees the same values."""
     native.register()
-    q, k_pool, v_pool, seq_slots = case(7)
+    q, k_pool, v_pool, seq_slots = case(7, shape)
     k_pool, v_pool = ops.to_pool(k_pool, kv_dtype), ops.to_pool(v_pool, kv_dtype)
     # keys 1, 8 and 9 (the vector tail), 511-513 and 1025 (across the 512-key splits), two sequences
     row_seq = torch.tensor([0, 0, 1, 1, 0, 1, 0])
@@ -37,10 +41,11 @@ def test_the_kernel_computes_what_the_reference_computes(kv_dtype):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_a_row_gives_the_same_bits_alone_and_in_any_batch(kv_dtype):
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(kv_dtype, shape):
     native.register()
-    q, k_pool, v_pool, seq_slots = case(6, seed=1)
+    q, k_pool, v_pool, seq_slots = case(6, shape, seed=1)
     k_pool, v_pool = ops.to_pool(k_pool, kv_dtype), ops.to_pool(v_pool, kv_dtype)
     row_seq, row_len = torch.tensor([0, 1, 0, 1, 0, 1]), torch.tensor([700, 64, 701, 1024, 1, 1499])
     batch = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.1)
@@ -59,12 +64,13 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(kv_dtype):
     assert torch.equal(shuffled, batch[order])
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_rows_of_one_sequence_share_a_pass_and_keep_their_bits(kv_dtype):
+def test_rows_of_one_sequence_share_a_pass_and_keep_their_bits(kv_dtype, shape):
     """Consecutive rows of one sequence (a verify window, a prefill chunk) are attended together, 16 at a time:
-    each row's bits are those it has alone; lengths cross a split and the 8-key blocks."""
+    each row's bits are those it has alone; lengths cross a split and the 8- and 16-key blocks."""
     native.register()
-    q, k_pool, v_pool, seq_slots = case(21, seed=4)
+    q, k_pool, v_pool, seq_slots = case(21, shape, seed=4)
     k_pool, v_pool = ops.to_pool(k_pool, kv_dtype), ops.to_pool(v_pool, kv_dtype)
     seq_slots[0, :600] = torch.arange(600)           # runs of adjacent slots, read in place from float32 pools
     row_seq = torch.tensor([0] * 20 + [1])

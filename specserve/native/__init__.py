@@ -2,8 +2,9 @@
 K/V write before it (rows.cpp), and the int8 linear (int8_linear.cpp); their schemas and references are in ops.py.
 
 They are compiled together for this machine on first use (gcc and ninja, explicit -mavx2 -mfma -mf16c rather than
--march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path is
-compiled in as well, under a function target attribute, and runs only for weights packed for it (`vnni()`).
+-march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path and the
+attention's AVX-512 path are compiled in as well, under function target attributes: the first runs only for weights
+packed for it (`vnni()`), the second wherever the CPU has AVX-512 (checked in the kernel).
 Where they cannot be built (no compiler, a CPU without AVX2) each op is registered with its Python reference
 instead: row-invariant too, but slow."""
 from __future__ import annotations

@@ -5,12 +5,14 @@
 // Each row reads its keys in place from the pool through its sequence's slot table, in splits of SPLIT keys (fixed
 // by key index, so a row's splits are the same in any step); the splits run in parallel (two threads share a
 // 4k-token decode) and are merged in split order. Consecutive rows of one sequence (a verify window, a prefill
-// chunk) share the work on a split, up to ROW_GROUP of them: it first streams the split's K and V into cache in slot
-// order, then scores 8 keys at a time for every row and head, then weighs the values row by row and head by head.
-// For each row the scores, exponentials, sums and value products follow one fixed order of AVX2 operations. The
-// pool holds float32 or float16 K/V (widened exactly to float32 as it is read: half the bytes to stream at long
-// contexts), or int8 K/V with one float32 scale per slot and KV head, stored after the head's values (a quarter of
-// float32's bytes plus the scale): each value is read as int8 x scale, one rounding, the same wherever it is read.
+// chunk) share the work on a split, up to ROW_GROUP of them: each key is widened once for all of them. For each row
+// the scores, exponentials, sums and value products follow one fixed order of operations. Two paths, chosen by the
+// CPU once: AVX-512 (head_dim 64 or 128) scores 16 keys at a time with the split's K and V lines requested ahead,
+// and weighs the values of several query heads of a KV head at once; AVX2 (elsewhere) first streams the split's K
+// and V into cache, then scores 8 keys at a time and weighs head by head. The pool holds float32 or float16 K/V
+// (widened exactly to float32 as it is read: half the bytes to stream at long contexts), or int8 K/V with one
+// float32 scale per slot and KV head, stored after the head's values (a quarter of float32's bytes plus the scale):
+// each value is read as int8 x scale (a key's scale applied to its score), one rounding, the same wherever read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -118,6 +120,242 @@ struct Work {
   int64_t row, rows, split;
 };
 
+// What a work item reads and where it writes: the op's arguments, and per part (a row's split) and head the split's
+// max score, sum of exponentials and weighted values.
+template <typename KV>
+struct Split {
+  const float* q;                      // [rows, heads, d]
+  const int64_t *seq, *len, *slots;    // row_seq, row_len, seq_slots
+  int64_t heads, kv_heads, group, d, head_width, slot_size, max_keys, split_keys;
+  float scale;
+  const int64_t* first;                // a row's first part
+  float *part_max, *part_sum, *part_acc;
+
+  // scores[(r - it.row) * heads + h][j] ← e^(score - the split's max) for the row's keys j < n; part_sum ← their sum
+  void exponentiate(const Work& it, int64_t r, int64_t n, float* scores) const {
+    const int64_t part = first[r] + it.split;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* p = scores + ((r - it.row) * heads + h) * split_keys;
+      const float top = part_max[part * heads + h];
+      const __m256 mv = _mm256_set1_ps(top);
+      __m256 total = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        _mm256_storeu_ps(p + j, e);
+        total = _mm256_add_ps(total, e);
+      }
+      float tail = 0.0f;
+      if (j < n) {
+        alignas(32) float buf[8] = {0};
+        for (int64_t t = j; t < n; ++t) buf[t - j] = p[t] - top;
+        alignas(32) float e[8];
+        _mm256_store_ps(e, exp8(_mm256_load_ps(buf)));
+        for (int64_t t = j; t < n; ++t) {
+          p[t] = e[t - j];
+          tail += e[t - j];
+        }
+      }
+      part_sum[part * heads + h] = sum8(total) + tail;
+    }
+  }
+
+  // The AVX2 path: each KV head's 8 keys widened once for the group's rows and query heads, each score its own chain
+  // of FMAs over head_dim, reduced by one transposing sum of 8 (the same operations for a key wherever it falls; a
+  // row's lanes past its last key are computed but never used); then the values weighed head by head.
+  void run_avx2(const Work& it, int64_t n_all, const int64_t* row_slots, const KV* const* key_slots,
+                const KV* const* value_slots, float* scores, float* widened) const {
+    const int64_t lo = it.split * SPLIT;
+    for (int64_t j0 = 0; j0 < n_all; j0 += 8) {
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const float* block = widened;      // the 8 keys of KV head g, float32, `stride` apart
+        int64_t stride = d;
+        if (std::is_same_v<KV, float> && j0 + 8 <= n_all && adjacent(row_slots + j0)) {
+          block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;     // read in place
+          stride = slot_size;
+        } else {
+          widen(key_slots + j0, 8, g * head_width, d, widened);
+        }
+        for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+          const int64_t m = std::min<int64_t>(8, len[r] - lo - j0);
+          if (m <= 0) continue;
+          float* tops = part_max + (first[r] + it.split) * heads;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const __m256 s8 = score8(q + (r * heads + h) * d, block, stride, d, scale);
+            float* p = scores + ((r - it.row) * heads + h) * split_keys + j0;
+            if (m == 8) {
+              _mm256_storeu_ps(p, s8);
+              tops[h] = std::max(tops[h], max8(s8));
+            } else {
+              alignas(32) float buf[8];
+              _mm256_store_ps(buf, s8);
+              for (int64_t k = 0; k < m; ++k) {
+                p[k] = buf[k];
+                tops[h] = std::max(tops[h], buf[k]);
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+      const int64_t n = std::min(len[r] - lo, SPLIT), part = first[r] + it.split;
+      if (n <= 0) continue;
+      exponentiate(it, r, n, scores);
+      // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
+      // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* p = scores + ((r - it.row) * heads + h) * split_keys;
+        const int64_t offset = (h / group) * head_width;
+        float* acc = part_acc + (part * heads + h) * d;
+        int64_t i0 = 0;
+        for (; i0 + 64 <= d; i0 += 64) weigh<8>(p, n, value_slots, offset, i0, d, acc + i0);
+        for (; i0 + 32 <= d; i0 += 32) weigh<4>(p, n, value_slots, offset, i0, d, acc + i0);
+        for (; i0 < d; i0 += 8) weigh<1>(p, n, value_slots, offset, i0, d, acc + i0);
+      }
+    }
+  }
+
+  template <int DV>
+  void run_avx512(const Work& it, int64_t n_all, const KV* const* key_slots, const KV* const* value_slots,
+                  float* scores, float* widened) const;
+};
+#define SPECSERVE_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+
+constexpr int64_t AHEAD = 64;   // keys ahead whose K and V lines are requested (into L2) while a key is scored
+
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+SPECSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SPECSERVE_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SPECSERVE_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Requests every cache line of the `bytes` bytes from p.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T1);
+}
+
+// acc[h][0 .. 16 DV) = sum over keys j < n, in order, of p[h][j] (times the head's scale in an int8 pool) x the values
+// of the KV head at values[j] + offset: NH query heads of one KV head at once, each key's values widened once.
+template <int DV, int NH, typename KV>
+SPECSERVE_AVX512 void weigh16(const float* const* p, int64_t n, const KV* const* values, int64_t offset, int64_t d,
+                              float* const* acc) {
+  __m512 a[NH][DV];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < DV; ++i) a[h][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* v = values[j] + offset;
+    const float vs = head_scale(v, d);
+    __m512 x[DV];
+    for (int i = 0; i < DV; ++i) x[i] = load16(v + 16 * i);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h][j] * vs);
+      for (int i = 0; i < DV; ++i) a[h][i] = _mm512_fmadd_ps(pj, x[i], a[h][i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc[h] + 16 * i, a[h][i]);
+}
+
+// weigh16 for m <= NH heads
+template <int DV, int NH, typename KV>
+SPECSERVE_AVX512 void weigh_heads(int64_t m, const float* const* p, int64_t n, const KV* const* values,
+                                  int64_t offset, int64_t d, float* const* acc) {
+  if constexpr (NH > 1) {
+    if (m < NH) return weigh_heads<DV, NH - 1>(m, p, n, values, offset, d, acc);
+  }
+  weigh16<DV, NH>(p, n, values, offset, d, acc);
+}
+
+// out lane t = the sum of v[t]'s 16 lanes, for 16 vectors at once; every lane's sum follows one tree (elements i and
+// i + 2 of each 128-bit quarter, those two pairs, then the quarters 0 + 1 and 2 + 3, then the halves), so a key's
+// score has the same bits in any lane.
+SPECSERVE_AVX512 inline __m512 sum16x16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; ++k)
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xdd));
+}
+
+// The AVX-512 path, for head_dim 16 DV: 16 keys at a time in slot order, each KV head's keys widened once into a
+// buffer for the group's rows and query heads, each score one chain of DV FMAs, 16 of them summed by one transposing
+// tree, times the key's scale; the K and V lines AHEAD keys on are requested meanwhile. Then the values weighed for
+// up to 24 / DV query heads of a KV head at once, in key order. A key's score and a head's weighted values take the
+// same operations whatever rows share the pass and wherever the key falls.
+template <typename KV>
+template <int DV>
+SPECSERVE_AVX512 void Split<KV>::run_avx512(const Work& it, int64_t n_all, const KV* const* key_slots,
+                                            const KV* const* value_slots, float* scores, float* widened) const {
+  const int64_t lo = it.split * SPLIT, slot_bytes = slot_size * static_cast<int64_t>(sizeof(KV));
+  const __m512 fscale = _mm512_set1_ps(scale);
+  float key_scale[16];
+  for (int64_t j0 = 0; j0 < n_all; j0 += 16) {
+    for (int64_t j = j0 + AHEAD; j < std::min(j0 + AHEAD + 16, n_all); ++j) {
+      prefetch(key_slots[j], slot_bytes);
+      prefetch(value_slots[j], slot_bytes);
+    }
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t t = 0; t < 16; ++t) {
+        const KV* k = key_slots[j0 + t] + g * head_width;
+        key_scale[t] = head_scale(k, d);
+        for (int i = 0; i < DV; ++i) _mm512_storeu_ps(widened + (t * DV + i) * 16, load16(k + 16 * i));
+      }
+      const __m512 ks = _mm512_mul_ps(_mm512_loadu_ps(key_scale), fscale);
+      for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+        const int64_t m = std::min<int64_t>(16, len[r] - lo - j0);
+        if (m <= 0) continue;
+        const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+        float* tops = part_max + (first[r] + it.split) * heads;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float* qh = q + (r * heads + h) * d;
+          __m512 qv[DV], acc[16];
+          for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
+          for (int t = 0; t < 16; ++t) {
+            acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(widened + t * DV * 16));
+            for (int i = 1; i < DV; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(widened + (t * DV + i) * 16), acc[t]);
+          }
+          const __m512 s = _mm512_mul_ps(sum16x16(acc), ks);
+          _mm512_mask_storeu_ps(scores + ((r - it.row) * heads + h) * split_keys + j0, valid, s);
+          tops[h] = std::max(tops[h], _mm512_mask_reduce_max_ps(valid, s));
+        }
+      }
+    }
+  }
+  constexpr int64_t CHUNK = 24 / DV;     // query heads weighed together: their accumulators fit in the registers
+  const float* p[CHUNK];
+  float* acc[CHUNK];
+  for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+    const int64_t n = std::min(len[r] - lo, SPLIT), part = first[r] + it.split;
+    if (n <= 0) continue;
+    exponentiate(it, r, n, scores);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += CHUNK) {
+        const int64_t m = std::min(CHUNK, (g + 1) * group - h0);
+        for (int64_t h = 0; h < m; ++h) {
+          p[h] = scores + ((r - it.row) * heads + h0 + h) * split_keys;
+          acc[h] = part_acc + (part * heads + h0 + h) * d;
+        }
+        weigh_heads<DV, CHUNK>(m, p, n, value_slots, g * head_width, d, acc);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // q: [rows, heads, head_dim]; k_pool, v_pool: [slots, kv_heads, head_dim]; row_seq, row_len: [rows] (the row's
@@ -165,11 +403,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   // per part and head: the split's max score, sum of exponentials and weighted values
   std::vector<float> part_max(parts * heads), part_sum(parts * heads), part_acc(parts * heads * d);
 
+  const Split<KV> ctx{qp, seq, len, slots, heads, kv_heads, group, d, head_width, slot_size, max_keys, split_keys,
+                      fscale, first.data(), part_max.data(), part_sum.data(), part_acc.data()};
+  static const bool avx512 = cpu_has_avx512();
+  const int64_t lanes16 = avx512 && d % 16 == 0 ? d / 16 : 0;     // the AVX-512 path's head_dim / 16, if it takes it
   std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     int32_t seen = 0;
-    std::vector<float> scores(group_rows * heads * split_keys), widened(8 * d);
-    std::vector<const KV*> key_slots(SPLIT + 8), value_slots(SPLIT);
+    std::vector<float> scores(group_rows * heads * split_keys);
+    std::vector<float> widened(16 * d);
+    std::vector<const KV*> key_slots(SPLIT + 16), value_slots(SPLIT);
     for (int64_t w = begin; w < end; ++w) {
       const Work& it = work[w];
       const int64_t lo = it.split * SPLIT;
@@ -180,86 +423,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
         key_slots[j] = kp + row_slots[j] * slot_size;
         value_slots[j] = vp + row_slots[j] * slot_size;
       }
-      for (int64_t j = n_all; j < n_all + 8; ++j) key_slots[j] = key_slots[0];     // padding lanes of the last 8 keys
-      seen |= touch(key_slots.data(), value_slots.data(), n_all, slot_size);
-      // Scores, 8 keys at a time for every row and head: each KV head's 8 keys widened once for the group's rows and
-      // query heads, each score its own chain of FMAs over head_dim, reduced by one transposing sum of 8: the same
-      // operations for a key wherever it falls, and a row's lanes past its last key are computed but never used.
+      for (int64_t j = n_all; j < n_all + 16; ++j) key_slots[j] = key_slots[0];    // padding lanes of the last keys
       for (int64_t r = it.row; r < it.row + it.rows; ++r) {
         if (len[r] <= lo) continue;
         float* tops = part_max.data() + (first[r] + it.split) * heads;
         std::fill(tops, tops + heads, -std::numeric_limits<float>::infinity());
       }
-      for (int64_t j0 = 0; j0 < n_all; j0 += 8) {
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          const float* block = widened.data();      // the 8 keys of KV head g, float32, `stride` apart
-          int64_t stride = d;
-          if (std::is_same_v<KV, float> && j0 + 8 <= n_all && adjacent(row_slots + j0)) {
-            block = reinterpret_cast<const float*>(key_slots[j0]) + g * d;     // read in place
-            stride = slot_size;
-          } else {
-            widen(key_slots.data() + j0, 8, g * head_width, d, widened.data());
-          }
-          for (int64_t r = it.row; r < it.row + it.rows; ++r) {
-            const int64_t m = std::min<int64_t>(8, len[r] - lo - j0);
-            if (m <= 0) continue;
-            float* tops = part_max.data() + (first[r] + it.split) * heads;
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const __m256 s8 = score8(qp + (r * heads + h) * d, block, stride, d, fscale);
-              float* p = scores.data() + ((r - it.row) * heads + h) * split_keys + j0;
-              if (m == 8) {
-                _mm256_storeu_ps(p, s8);
-                tops[h] = std::max(tops[h], max8(s8));
-              } else {
-                alignas(32) float buf[8];
-                _mm256_store_ps(buf, s8);
-                for (int64_t k = 0; k < m; ++k) {
-                  p[k] = buf[k];
-                  tops[h] = std::max(tops[h], buf[k]);
-                }
-              }
-            }
-          }
-        }
-      }
-      for (int64_t r = it.row; r < it.row + it.rows; ++r) {
-        const int64_t n = std::min(len[r] - lo, SPLIT), part = first[r] + it.split;
-        if (n <= 0) continue;
-        for (int64_t h = 0; h < heads; ++h) {
-          float* p = scores.data() + ((r - it.row) * heads + h) * split_keys;
-          const float top = part_max[part * heads + h];
-          const __m256 mv = _mm256_set1_ps(top);
-          __m256 total = _mm256_setzero_ps();
-          int64_t j = 0;
-          for (; j + 8 <= n; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-            _mm256_storeu_ps(p + j, e);
-            total = _mm256_add_ps(total, e);
-          }
-          float tail = 0.0f;
-          if (j < n) {
-            alignas(32) float buf[8] = {0};
-            for (int64_t t = j; t < n; ++t) buf[t - j] = p[t] - top;
-            alignas(32) float e[8];
-            _mm256_store_ps(e, exp8(_mm256_load_ps(buf)));
-            for (int64_t t = j; t < n; ++t) {
-              p[t] = e[t - j];
-              tail += e[t - j];
-            }
-          }
-          part_sum[part * heads + h] = sum8(total) + tail;
-        }
-        // Weighted values, keys in order for each output lane; 64 lanes at a time in registers, so that eight
-        // independent chains of FMAs hide their latency (four, with 32 lanes, could not).
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* p = scores.data() + ((r - it.row) * heads + h) * split_keys;
-          const int64_t offset = (h / group) * head_width;
-          float* acc = part_acc.data() + (part * heads + h) * d;
-          int64_t i0 = 0;
-          for (; i0 + 64 <= d; i0 += 64) weigh<8>(p, n, value_slots.data(), offset, i0, d, acc + i0);
-          for (; i0 + 32 <= d; i0 += 32) weigh<4>(p, n, value_slots.data(), offset, i0, d, acc + i0);
-          for (; i0 < d; i0 += 8) weigh<1>(p, n, value_slots.data(), offset, i0, d, acc + i0);
-        }
+      if (lanes16 == 4) {
+        ctx.template run_avx512<4>(it, n_all, key_slots.data(), value_slots.data(), scores.data(), widened.data());
+      } else if (lanes16 == 8) {
+        ctx.template run_avx512<8>(it, n_all, key_slots.data(), value_slots.data(), scores.data(), widened.data());
+      } else {
+        seen |= touch(key_slots.data(), value_slots.data(), n_all, slot_size);
+        ctx.run_avx2(it, n_all, row_slots, key_slots.data(), value_slots.data(), scores.data(), widened.data());
       }
     }
     seen_sink += seen;
