@@ -305,12 +305,12 @@ SPECSERVE_AVX512 void Split<KV>::run_avx512(const Work& it, int64_t n_all, const
   const __m512 fscale = _mm512_set1_ps(scale);
   float key_scale[16];
   for (int64_t j0 = 0; j0 < n_all; j0 += 16) {
-    for (int64_t j = j0 + AHEAD; j < std::min(j0 + AHEAD + 16, n_all); ++j) {
-      prefetch(key_slots[j], slot_bytes);
-      prefetch(value_slots[j], slot_bytes);
-    }
     for (int64_t g = 0; g < kv_heads; ++g) {
       for (int64_t t = 0; t < 16; ++t) {
+        if (g == 0 && j0 + t + AHEAD < n_all) {
+          prefetch(key_slots[j0 + t + AHEAD], slot_bytes);
+          prefetch(value_slots[j0 + t + AHEAD], slot_bytes);
+        }
         const KV* k = key_slots[j0 + t] + g * head_width;
         key_scale[t] = head_scale(k, d);
         for (int i = 0; i < DV; ++i) _mm512_storeu_ps(widened + (t * DV + i) * 16, load16(k + 16 * i));
