@@ -178,11 +178,7 @@ SPECSERVE_VNNI inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-bool cpu_has_vnni() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
-}
+bool cpu_has_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
 // q + 128 as uint8, what dpbusd's unsigned operand takes
 SPECSERVE_VNNI void shift(int8_t* a, int64_t n) {

@@ -125,8 +125,8 @@ struct Work {
 template <typename KV>
 struct Split {
   const float* q;                      // [rows, heads, d]
-  const int64_t *seq, *len, *slots;    // row_seq, row_len, seq_slots
-  int64_t heads, kv_heads, group, d, head_width, slot_size, max_keys, split_keys;
+  const int64_t* len;                  // row_len
+  int64_t heads, kv_heads, group, d, head_width, slot_size, split_keys;
   float scale;
   const int64_t* first;                // a row's first part
   float *part_max, *part_sum, *part_acc;
@@ -220,14 +220,10 @@ struct Split {
   void run_avx512(const Work& it, int64_t n_all, const KV* const* key_slots, const KV* const* value_slots,
                   float* scores, float* widened) const;
 };
+
 #define SPECSERVE_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 
 constexpr int64_t AHEAD = 64;   // keys ahead whose K and V lines are requested (into L2) while a key is scored
-
-bool cpu_has_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
 
 SPECSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 SPECSERVE_AVX512 inline __m512 load16(const uint16_t* p) {
@@ -403,8 +399,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   // per part and head: the split's max score, sum of exponentials and weighted values
   std::vector<float> part_max(parts * heads), part_sum(parts * heads), part_acc(parts * heads * d);
 
-  const Split<KV> ctx{qp, seq, len, slots, heads, kv_heads, group, d, head_width, slot_size, max_keys, split_keys,
-                      fscale, first.data(), part_max.data(), part_sum.data(), part_acc.data()};
+  const Split<KV> ctx{qp, len, heads, kv_heads, group, d, head_width, slot_size, split_keys, fscale, first.data(),
+                      part_max.data(), part_sum.data(), part_acc.data()};
   static const bool avx512 = cpu_has_avx512();
   const int64_t lanes16 = avx512 && d % 16 == 0 ? d / 16 : 0;     // the AVX-512 path's head_dim / 16, if it takes it
   std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away

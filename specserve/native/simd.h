@@ -1,4 +1,5 @@
-// AVX2 helpers shared by the kernels: each computes the same bits for the same inputs wherever it is called.
+// Helpers shared by the kernels: the CPU check of their AVX-512 paths, and AVX2 helpers that each compute the same
+// bits for the same inputs wherever they are called.
 #pragma once
 
 #include <immintrin.h>
@@ -6,6 +7,12 @@
 #include <cstdint>
 
 namespace specserve {
+
+// Whether the CPU runs the AVX-512 subset the kernels' 512-bit paths are compiled for (F, BW, VL, DQ).
+inline bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
 
 // e^x for 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial) for inputs <= 0.
 inline __m256 exp8(__m256 x) {
