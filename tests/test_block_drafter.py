@@ -180,7 +180,10 @@ def test_confidence_head_is_sigmoid_of_linear_over_hidden_and_markov_embedding(t
     logit = torch.cat([hidden, emb], -1) @ w["confidence.weight"][0] + w["confidence.bias"]
     want = torch.sigmoid(logit / torch.tensor([1.0, 2.0, 0.5, 3.0, 2.0], dtype=torch.float64))
     torch.testing.assert_close(drafter.confidence(hidden, prev, rows), want, rtol=0, atol=1e-14)
-    torch.testing.assert_close(drafter.markov_logits(prev), emb @ w["markov.w2.weight"].T, rtol=0, atol=1e-12)
+    markov = emb @ w["markov.w2.weight"].T
+    torch.testing.assert_close(drafter.markov_logits(drafter.to_draft[prev]), markov, rtol=0, atol=1e-12)
+    base = torch.randn(5, len(token_map), dtype=torch.float64)
+    torch.testing.assert_close(drafter.markov_logits(drafter.to_draft[prev], base), base + markov, rtol=0, atol=1e-12)
 
 
 # ---- the Markov head in the engine -----------------------------------------------------------------

@@ -185,6 +185,28 @@ def count_blocks(engine: Engine) -> list[tuple[int, int]]:
     return calls
 
 
+def test_a_block_runs_every_slot_however_few_rows_it_drafts(tiny_llama, plain, drafters):
+    """The planner drafts only the rows a window may use, but the block keeps all gamma slots the scheduler
+    reserved: a drafter trained on whole blocks reads its later slots in its first rows."""
+    engine = make_engine(tiny_llama, **MATRIX_ENGINE, **BLOCK_CASES["dspark-budget"](drafters))
+    proposer, seen = engine.proposer, []
+    run_block, block_hidden = proposer._run_block, proposer.drafter.block_hidden
+
+    def recording_block(plan, jobs):
+        slots = sum(min(proposer.gamma, plan.scheduled[job.index].max_drafts) for job in jobs)
+        seen.append([slots, sum(job.num_drafts for job in jobs), None])
+        return run_block(plan, jobs)
+
+    def recording_hidden(input_ids, *args):
+        seen[-1][2] = len(input_ids)
+        return block_hidden(input_ids, *args)
+
+    proposer._run_block, proposer.drafter.block_hidden = recording_block, recording_hidden
+    assert_same_as_plain(drive(engine, PROMPTS, GREEDY), plain)
+    assert seen and all(ran == slots for slots, _, ran in seen)
+    assert any(drafted < slots for slots, drafted, _ in seen)
+
+
 def test_planner_skips_blocks_that_cannot_pay_off(tiny_llama, drafters, tmp_path):
     """When an extra verify row costs a whole forward no window pays off (bar steps that also run a
     prefill chunk, whose rows make one more row relatively cheap): after each request's first
@@ -227,10 +249,10 @@ def test_draft_context_is_written_when_a_block_runs(tiny_llama, drafters, tmp_pa
     proposer, kept_rows, blocks = engine.proposer, [], []
     run_block, commit = proposer._run_block, proposer.commit
 
-    def checked_block(jobs):
+    def checked_block(plan, jobs):
         assert all(job.request.request_id not in proposer.unwritten for job in jobs)
         blocks.append(len(jobs))
-        return run_block(jobs)
+        return run_block(plan, jobs)
 
     def counting_commit(plan, result, out):
         commit(plan, result, out)

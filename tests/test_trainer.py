@@ -90,7 +90,7 @@ def test_dense_training_forward_equals_the_engine_proposer(tiny_llama, tmp_path,
         batch = live_batch(tiny_llama, trainer, [Example("x", tokens, drafts)])   # row k's previous token: draft k
         out = trainer.forward(batch, torch.tensor([[anchor]]), torch.tensor([[True]]))
         prev = torch.tensor(tokens[-1:] + drafts[:-1])
-        want = logits + drafter.markov_logits(prev)
+        want = logits + drafter.markov_logits(drafter.to_draft[prev])
         torch.testing.assert_close(out.draft_logits[0], want, rtol=0, atol=1e-9)
         assert token_map[out.draft_logits[0].argmax(-1)].tolist() == drafts
         confidence = torch.sigmoid(out.confidence_logits[0] / temperatures)
@@ -215,8 +215,9 @@ def test_train_rows_run_the_first_rows_of_each_block_as_the_engine_runs_a_short_
     hidden = drafter.block_hidden(torch.tensor([int(batch.tokens[b, a]), mask]), torch.arange(a, a + 2), meta, pool,
                                   drafter.write_context(aux[a - 1:a], torch.tensor([a - 1]),
                                                         slots_for(pages, a - 1, a, 4), pool).expand(2, -1))
-    torch.testing.assert_close(drafter.logits(hidden) + drafter.markov_logits(batch.tokens[b, a:a + 2]),
-                               short.draft_logits[1], rtol=0, atol=1e-9)
+    prev = drafter.to_draft[batch.tokens[b, a:a + 2]]
+    torch.testing.assert_close(drafter.logits(hidden) + drafter.markov_logits(prev), short.draft_logits[1], rtol=0,
+                               atol=1e-9)
     report = trainer.evaluate(data, lambda indices: live_batch(tiny_llama, trainer, [data[i] for i in indices]).target,
                               torch.arange(257))
     assert len(report["row_top1"]) == 4, "evaluation runs whole blocks"

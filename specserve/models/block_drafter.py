@@ -273,9 +273,10 @@ class BlockDrafter:
         # hidden: [n, hidden] → [n, V_d] over the draft vocabulary
         return self.model.logits(hidden)
 
-    def markov_logits(self, prev: torch.Tensor) -> torch.Tensor:
-        # prev: [n] target ids of each row's previous token → [n, V_d]
-        return self.w2(self.w1[self.to_draft[prev]])
+    def markov_logits(self, prev: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        # prev: [n] draft ids of each row's previous token (to_draft's: V_d for a token outside the draft
+        # vocabulary, whose Markov row is zero) → [n, V_d], added to base [n, V_d] if given
+        return self.w2(self.w1[prev], base)
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden]; prev: [n] target ids; rows: [n] row index k in the block → c_k: [n]

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 STARTUP_ROWS = (1, 2, 4, 8, 16, 32)
+# Best of this many rounds: on a shared 2-core host one in three runs of a size can be 20-60% slow, and three
+# rounds left SmolLM2's 2-row step 18% above its 1-row step where fifteen found them equal (~1 s at start).
+STARTUP_REPEATS = 10
 
 
 def cpu_name() -> str:
@@ -220,8 +223,8 @@ def resolve_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
                         path, table.model, table.dtype, table.cpu, table.threads)
         return table
     start = time.perf_counter()
-    table = measure_cost_table(target.model, target.page_size, rows=STARTUP_ROWS, progress=False,
-                               kv_dtype=target.kv_dtype)
+    table = measure_cost_table(target.model, target.page_size, rows=STARTUP_ROWS, repeats=STARTUP_REPEATS,
+                               progress=False, kv_dtype=target.kv_dtype)
     log.info("measured the target's cost table in %.1f s (rows %s: %s ms); save one with `specserve profile`",
              time.perf_counter() - start, list(table.rows), [round(s * 1e3, 2) for s in table.seconds])
     return table
