@@ -5,6 +5,7 @@ sampled runs, and page/state leaks under random traffic."""
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 
 import pytest
@@ -279,6 +280,41 @@ def test_blocks_that_cost_more_than_they_win_are_skipped(tiny_llama, drafters):
     every = BudgetPlanner.PROBE_EVERY
     assert len(blocks[0.0]) > 20
     assert all(step % every == 0 for step, _ in blocks[10.0] if step >= every) and len(blocks[10.0]) < 10
+
+
+def test_a_block_is_charged_for_its_steps_context_not_for_catching_up(tiny_llama, drafters):
+    """The planner's measured block time includes the context the block writes first while the request drafts
+    every step (at most a window's tokens), not the context of steps it skipped: that price was paid for
+    skipping, and charging it made blocks look dearer the more of them were skipped."""
+    prompts, params = PROMPTS[:4], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    seen = []
+    for block_cost in (0.0, 10.0):          # free blocks draft every step; dear ones only probe
+        engine = make_engine(tiny_llama, **MATRIX_ENGINE, **{**BLOCK_CASES["dspark-budget"](drafters),
+                                                            "speculative_dspark_block_cost": block_cost,
+                                                            "speculative_block_size": 4})
+        proposer, log = engine.proposer, []
+        write, flush, timed = proposer.drafter.write_context, proposer.flush_context, proposer.policy.timed
+
+        def slow_write(*args, write=write):
+            time.sleep(0.01)
+            return write(*args)
+
+        def recording_flush(requests, flush=flush, log=log):
+            log.append((flush(requests), len(requests)))
+            return log[-1][0]
+
+        def recording_timed(rows, seconds, timed=timed, log=log):
+            seen.append((*log[-1], seconds))
+            timed(rows, seconds)
+
+        proposer.drafter.write_context, proposer.flush_context = slow_write, recording_flush
+        proposer.policy.timed = recording_timed
+        drive(engine, prompts, params)
+    window = proposer.gamma + 1
+    steady = [seconds for written, jobs, seconds in seen if 0 < written <= window * jobs]
+    catching_up = [seconds for written, jobs, seconds in seen if written > window * jobs]
+    assert steady and catching_up
+    assert min(steady) >= 0.01 > max(catching_up)
 
 
 def test_block_cost_defaults_to_the_weights_ratio(tiny_llama, drafters):

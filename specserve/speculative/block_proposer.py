@@ -113,9 +113,14 @@ class BlockDrafterProposer(CommittedContext):
         candidates: dict[int, Candidate] = {}     # by plan index
         if jobs:
             start = time.perf_counter()
-            self.flush_context([job.request for job in jobs])
+            written = self.flush_context([job.request for job in jobs])
+            flushed = time.perf_counter()
             candidates = self._run_block(plan, jobs)
-            self.policy.timed(sum(job.num_drafts for job in jobs), time.perf_counter() - start)
+            # The context a block writes first is part of its cost while it drafts every step (a step's tokens);
+            # after skipped steps it catches up on theirs, a price of skipping that the next block does not pay.
+            catching_up = written > (self.gamma + 1) * len(jobs)
+            self.policy.timed(sum(job.num_drafts for job in jobs),
+                              time.perf_counter() - (flushed if catching_up else start))
         if self.hybrid is not None:
             self.hybrid.weigh(plan, candidates, self.gamma)
         if not candidates:
@@ -250,8 +255,9 @@ class BlockDrafterProposer(CommittedContext):
         # A prompt's context is written at once: the prefix cache shares a prompt only with its draft context.
         self.flush_context([s.request for s in plan.scheduled if s.start < len(s.request.prompt_token_ids)])
 
-    def flush_context(self, requests: list[Request]) -> None:
-        """Write the draft context K/V the requests' kept committed tokens still lack, in one batch."""
+    def flush_context(self, requests: list[Request]) -> int:
+        """Write the draft context K/V the requests' kept committed tokens still lack, in one batch → how many
+        tokens' context it wrote."""
         parts, last_rows, num_rows = [], {}, 0
         for req in requests:
             for part in self.unwritten.pop(req.request_id, []):
@@ -259,13 +265,14 @@ class BlockDrafterProposer(CommittedContext):
                 num_rows += len(part[1])
                 last_rows[req.request_id] = num_rows - 1
         if not parts:
-            return
+            return 0
         aux = torch.cat([a for a, _, _ in parts])
         positions = torch.tensor([p for _, ps, _ in parts for p in ps])
         slots = torch.cat([xs for _, _, xs in parts])
         context = self.drafter.write_context(aux, positions, slots, self.pool)
         if self.drafter.anchor_proj is not None:
             self.last_context |= {rid: context[row].clone() for rid, row in last_rows.items()}
+        return num_rows
 
     def release(self, req: Request) -> None:
         self.num_valid.pop(req.request_id, None)
