@@ -1,5 +1,6 @@
 """The project's C++ ops (`torch.ops.specserve.*`): the row-invariant attention, alone or with the rotary and the
-K/V write before it (rows.cpp), and the int8 linear (int8_linear.cpp); their schemas and references are in ops.py.
+K/V write before it (rows.cpp), the int8 linear (int8_linear.cpp) and the rows' argmax of greedy sampling (argmax.cpp);
+their schemas and references are in ops.py.
 
 They are compiled together for this machine on first use (gcc and ninja, explicit -mavx2 -mfma -mf16c rather than
 -march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path and the
@@ -22,7 +23,7 @@ from specserve.native import ops
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
 
@@ -39,7 +40,8 @@ def references() -> dict[str, tuple[str, Callable]]:
     return {"paged_attention_rows": (ops.PAGED_ATTENTION_ROWS, ops.paged_attention_rows),
             "paged_attention_qkv": (ops.PAGED_ATTENTION_QKV, ops.paged_attention_qkv),
             "int8_linear": (ops.INT8_LINEAR, ops.int8_linear),
-            "quantize_kv": (ops.QUANTIZE_KV, ops.quantize_kv)}
+            "quantize_kv": (ops.QUANTIZE_KV, ops.quantize_kv),
+            "argmax_rows": (ops.ARGMAX_ROWS, ops.argmax_rows)}
 
 
 @functools.cache

@@ -15,6 +15,12 @@ INT8_LINEAR = ("int8_linear(Tensor x, Tensor? norm_weight, float eps, bool glu, 
 ACTIVATION_GROUP = 128          # inputs per activation scale (native/int8_linear.cpp's GROUP)
 KV_SCALE_BYTES = 4              # an int8 pool's KV head: head_dim int8 values, then their float32 scale's bytes
 QUANTIZE_KV = "quantize_kv(Tensor x) -> Tensor"
+ARGMAX_ROWS = "argmax_rows(Tensor x) -> Tensor"
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """native/argmax.cpp: [rows, n] float32 → [rows] the first maximal index of each row (a NaN counts as maximal)."""
+    return x.argmax(dim=-1)
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:

@@ -191,7 +191,7 @@ class BlockDrafterProposer(CommittedContext):
             # Greedy rows stay tensors to the block's end: a row is a few ops, not a Python pass over the jobs.
             picked = []
             for k in range(rows):
-                prev = self._with_markov(logits.view(len(jobs), rows, -1)[:, k], prev).argmax(dim=-1)
+                prev = sampling.greedy_tokens(self._with_markov(logits.view(len(jobs), rows, -1)[:, k], prev))
                 picked.append(prev)
             return drafter.token_map[torch.stack(picked, dim=1)].tolist(), [[] for _ in jobs]
         drafts: list[list[int]] = [[] for _ in jobs]
@@ -200,7 +200,7 @@ class BlockDrafterProposer(CommittedContext):
             active = [j for j, job in enumerate(jobs) if job.num_drafts > k]
             scores = logits.view(len(jobs), rows, -1)[:, k] if uniform else logits[[offsets[j] + k for j in active]]
             scores = self._with_markov(scores, prev if uniform else prev[active])
-            top = drafter.token_map[scores.argmax(dim=-1)].tolist()
+            top = drafter.token_map[sampling.greedy_tokens(scores)].tolist()
             for row, j in enumerate(active):
                 req = jobs[j].request
                 token = top[row]
