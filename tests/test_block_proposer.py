@@ -257,7 +257,7 @@ def test_draft_context_is_written_when_a_block_runs(tiny_llama, drafters, tmp_pa
 
     def counting_commit(plan, result, out):
         commit(plan, result, out)
-        kept_rows.append(sum(len(p) for parts in proposer.unwritten.values() for _, p, _ in parts))
+        kept_rows.append(sum(len(aux) for parts in proposer.unwritten.values() for aux, _ in parts))
 
     proposer._run_block, proposer.commit = checked_block, counting_commit
     assert_same_as_plain(drive(engine, prompts, params), run(tiny_llama, prompts, params, **MATRIX_ENGINE))

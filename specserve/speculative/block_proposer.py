@@ -55,8 +55,9 @@ class BlockDrafterProposer(CommittedContext):
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose context is written or kept
-        # request id → committed tokens whose context is not written yet: (aux rows [n, features], positions, slots)
-        self.unwritten: dict[str, list[tuple[torch.Tensor, list[int], list[int]]]] = {}
+        # request id → committed tokens whose context is not written yet, one part per step in order: (aux rows
+        # [n, features], the n positions from start); the positions follow on from part to part
+        self.unwritten: dict[str, list[tuple[torch.Tensor, int]]] = {}
         self.pending: dict[str, list[float]] = {}   # request id → confidences of the block drafts verified now
         self.last_context: dict[str, torch.Tensor] = {}   # request id → context vector [hidden] of its last token
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
@@ -98,7 +99,7 @@ class BlockDrafterProposer(CommittedContext):
 
     def context_length(self, req: Request) -> int:
         """Leading positions whose draft context is written (what the prefix cache may keep)."""
-        return self.accounted_length(req) - sum(len(p) for _, p, _ in self.unwritten.get(req.request_id, ()))
+        return self.accounted_length(req) - sum(len(aux) for aux, _ in self.unwritten.get(req.request_id, ()))
 
     def draft_slots(self, req: Request) -> int:
         # With the n-gram option a request drafts even before its block may run.
@@ -244,32 +245,36 @@ class BlockDrafterProposer(CommittedContext):
             if req.finished or self.accounted_length(req) != s.start:
                 continue
             end = req.num_computed_tokens
-            kept.append((req.request_id, len(rows), list(range(s.start, end)),
-                         slots_for(req.pages, s.start, end, self.pool.page_size)))
+            kept.append((req.request_id, len(rows), s.start, end))
             rows += range(offset, offset + end - s.start)
             self.num_valid[req.request_id] = end
         if rows:
-            aux = torch.cat([h[rows] for h in out.aux_hidden], dim=-1)
-            for rid, first, positions, slots in kept:
-                self.unwritten.setdefault(rid, []).append((aux[first:first + len(positions)], positions, slots))
+            # one copy of the kept rows per step (a slice where they are contiguous: batch 1); a step that skips the
+            # block writes nothing else
+            pick = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+            aux = torch.cat([h[pick] for h in out.aux_hidden], dim=-1)
+            for rid, first, start, end in kept:
+                self.unwritten.setdefault(rid, []).append((aux[first:first + end - start], start))
         # A prompt's context is written at once: the prefix cache shares a prompt only with its draft context.
         self.flush_context([s.request for s in plan.scheduled if s.start < len(s.request.prompt_token_ids)])
 
     def flush_context(self, requests: list[Request]) -> int:
         """Write the draft context K/V the requests' kept committed tokens still lack, in one batch → how many
         tokens' context it wrote."""
-        parts, last_rows, num_rows = [], {}, 0
+        parts, positions, slots, last_rows, num_rows = [], [], [], {}, 0
         for req in requests:
-            for part in self.unwritten.pop(req.request_id, []):
-                parts.append(part)
-                num_rows += len(part[1])
-                last_rows[req.request_id] = num_rows - 1
+            if not (kept := self.unwritten.pop(req.request_id, [])):
+                continue
+            start = kept[0][1]
+            end = start + sum(len(aux) for aux, _ in kept)
+            parts += [aux for aux, _ in kept]
+            positions.append(torch.arange(start, end))
+            slots.append(slots_for(req.pages, start, end, self.pool.page_size))
+            num_rows += end - start
+            last_rows[req.request_id] = num_rows - 1
         if not parts:
             return 0
-        aux = torch.cat([a for a, _, _ in parts])
-        positions = torch.tensor([p for _, ps, _ in parts for p in ps])
-        slots = torch.cat([xs for _, _, xs in parts])
-        context = self.drafter.write_context(aux, positions, slots, self.pool)
+        context = self.drafter.write_context(torch.cat(parts), torch.cat(positions), torch.cat(slots), self.pool)
         if self.drafter.anchor_proj is not None:
             self.last_context |= {rid: context[row].clone() for rid, row in last_rows.items()}
         return num_rows
