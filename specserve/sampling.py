@@ -61,7 +61,7 @@ def apply_penalties(
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:   # [n, vocab] -> [n]
     # The first maximal index (ties go to the lowest id, a NaN counts as maximal), as torch.argmax; float32 rows take
-    # the native op, ~10x faster than torch's argmax, which does not vectorise (90 µs a row of SmolLM2's vocabulary).
+    # the native op, ~10x faster than torch's argmax, which does not vectorise.
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] and native.register():
         return torch.ops.specserve.argmax_rows(logits)
     return logits.argmax(dim=-1)

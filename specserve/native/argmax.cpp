@@ -1,6 +1,6 @@
 // The greedy token of each row of logits: torch.argmax's answer (the first maximal index; a NaN counts as maximal,
 // the first NaN wins) in one AVX2 pass. torch's own argmax does not vectorise its last-dimension reduction on the CPU:
-// ~90 µs for one row of a 49,152-token vocabulary, 280 µs for a verify window of 9, a step's sampling time.
+// 111 µs for one row of a 49,152-token vocabulary, 480 µs for a verify window of 9 (12 and 47 µs here).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -6,9 +6,10 @@ next block runs, in one batch (the budget planner skips most blocks on text the 
 context write per step cost ~1.4 ms of a ~17 ms SmolLM2 step). A prompt's context is written when it is
 prefilled, and the prefix cache keeps only pages whose context is written. A request drafts when its context
 reaches its anchor (the last token, whose target KV does not exist yet): then one batched non-causal forward
-runs every drafting request's block of gamma rows at positions anchor .. anchor+gamma-1 (one more in DFlash's
-layout, below). The block writes its K/V into those slots of the draft pool; they are past the context, and
-each becomes context only when commit overwrites it. The first sampling step after a prefill (or a recompute
+runs every drafting request's block of gamma slots at positions anchor .. anchor+gamma-1 (one more in DFlash's
+layout, below; fewer only where the scheduler reserved fewer), and the rows the window policy asks for are
+drafted. The block writes its K/V into those slots of the draft pool; they are past the context, and each becomes
+context only when commit overwrites it. The first sampling step after a prefill (or a recompute
 after preemption) therefore drafts nothing.
 
 Row k's draft is the target token at anchor + k + 1, so gamma rows give gamma drafts and a verify window of at
@@ -55,9 +56,9 @@ class BlockDrafterProposer(CommittedContext):
         self.kv_geometry = drafter.kv_geometry
         self.pool: KVPool | None = None
         self.num_valid: dict[str, int] = {}   # request id → leading positions whose context is written or kept
-        # request id → committed tokens whose context is not written yet, one part per step in order: (aux rows
-        # [n, features], the n positions from start); the positions follow on from part to part
-        self.unwritten: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        # request id → the first position whose context is not written yet, and the target features of it and the
+        # committed tokens after it, one [n, features] part per step
+        self.unwritten: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self.pending: dict[str, list[float]] = {}   # request id → confidences of the block drafts verified now
         self.last_context: dict[str, torch.Tensor] = {}   # request id → context vector [hidden] of its last token
         self.generator = torch.Generator().manual_seed(0)   # for unseeded sampled requests
@@ -99,7 +100,8 @@ class BlockDrafterProposer(CommittedContext):
 
     def context_length(self, req: Request) -> int:
         """Leading positions whose draft context is written (what the prefix cache may keep)."""
-        return self.accounted_length(req) - sum(len(aux) for aux, _ in self.unwritten.get(req.request_id, ()))
+        _, parts = self.unwritten.get(req.request_id, (0, []))
+        return self.accounted_length(req) - sum(len(aux) for aux in parts)
 
     def draft_slots(self, req: Request) -> int:
         # With the n-gram option a request drafts even before its block may run.
@@ -120,7 +122,7 @@ class BlockDrafterProposer(CommittedContext):
             # The context a block writes first is part of its cost while it drafts every step (a step's tokens);
             # after skipped steps it catches up on theirs, a price of skipping that the next block does not pay.
             catching_up = written > (self.gamma + 1) * len(jobs)
-            self.policy.timed(sum(job.num_drafts for job in jobs),
+            self.policy.timed(sum(self._slots(plan, job) for job in jobs),
                               time.perf_counter() - (flushed if catching_up else start))
         if self.hybrid is not None:
             self.hybrid.weigh(plan, candidates, self.gamma)
@@ -149,8 +151,7 @@ class BlockDrafterProposer(CommittedContext):
         lead = int(self.drafter.config.anchor_slot)         # slots before the first draft row
         tokens, positions, spans, draft_rows, slots = [], [], [], [], []
         for job in jobs:
-            req, anchor = job.request, job.request.num_tokens - 1
-            n = min(self.gamma, plan.scheduled[job.index].max_drafts) + lead
+            req, anchor, n = job.request, job.request.num_tokens - 1, self._slots(plan, job) + lead
             draft_rows += range(len(tokens) + lead, len(tokens) + lead + job.num_drafts)
             slots.append(n)
             tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (n - 1)
@@ -213,6 +214,10 @@ class BlockDrafterProposer(CommittedContext):
                 prev[j] = drafter.to_draft[token]
         return drafts, probs
 
+    def _slots(self, plan: StepPlan, job: DraftJob) -> int:
+        """The draft slots of a job's block: gamma, bar those the scheduler could not reserve."""
+        return min(self.gamma, plan.scheduled[job.index].max_drafts)
+
     def _with_markov(self, logits: torch.Tensor,    # [n, V_d] one row of each job's block
                      prev: torch.Tensor) -> torch.Tensor:   # [n] draft ids of the drafts before them
         return self.drafter.markov_logits(prev, logits) if self.drafter.markov else logits
@@ -254,7 +259,7 @@ class BlockDrafterProposer(CommittedContext):
             pick = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
             aux = torch.cat([h[pick] for h in out.aux_hidden], dim=-1)
             for rid, first, start, end in kept:
-                self.unwritten.setdefault(rid, []).append((aux[first:first + end - start], start))
+                self.unwritten.setdefault(rid, (start, []))[1].append(aux[first:first + end - start])
         # A prompt's context is written at once: the prefix cache shares a prompt only with its draft context.
         self.flush_context([s.request for s in plan.scheduled if s.start < len(s.request.prompt_token_ids)])
 
@@ -263,11 +268,11 @@ class BlockDrafterProposer(CommittedContext):
         tokens' context it wrote."""
         parts, positions, slots, last_rows, num_rows = [], [], [], {}, 0
         for req in requests:
-            if not (kept := self.unwritten.pop(req.request_id, [])):
+            if req.request_id not in self.unwritten:
                 continue
-            start = kept[0][1]
-            end = start + sum(len(aux) for aux, _ in kept)
-            parts += [aux for aux, _ in kept]
+            start, kept = self.unwritten.pop(req.request_id)
+            end = start + sum(len(aux) for aux in kept)
+            parts += kept
             positions.append(torch.arange(start, end))
             slots.append(slots_for(req.pages, start, end, self.pool.page_size))
             num_rows += end - start

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 STARTUP_ROWS = (1, 2, 4, 8, 16, 32)
-# Best of this many rounds: on a shared 2-core host one in three runs of a size can be 20-60% slow, and three
-# rounds left SmolLM2's 2-row step 18% above its 1-row step where fifteen found them equal (~1 s at start).
+# Best of this many rounds: on a shared 2-core host a run of a size can be 20-60% slow, and the best of three put
+# SmolLM2's 2-row step 0-18% above its 1-row step, which the best of fifteen found equal. Ten cost SmolLM2 ~1 s.
 STARTUP_REPEATS = 10
 
 

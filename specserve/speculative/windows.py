@@ -69,7 +69,7 @@ class WindowPolicy(Protocol):
     def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None: ...
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]: ...  # by plan index
     def release(self, req: Request) -> None: ...
-    def timed(self, rows: int, seconds: float) -> None: ...   # a block over `rows` rows took `seconds`, wall clock
+    def timed(self, slots: int, seconds: float) -> None: ...   # a block over `slots` slots took `seconds`, wall clock
 
 
 class AllRows:
@@ -90,7 +90,7 @@ class AllRows:
     def release(self, req: Request) -> None:
         pass
 
-    def timed(self, rows: int, seconds: float) -> None:
+    def timed(self, slots: int, seconds: float) -> None:
         pass
 
 
@@ -139,9 +139,10 @@ class BudgetPlanner:
     def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]:
         """The jobs whose block may pay off: those the planner gives a verify row on their forecast
         confidences, if the rows they win pay for the block's own time too, those without a forecast
-        yet, and those due to probe. A job drafted on its forecast runs the rows that the longer of its
-        forecast's window and its recent windows may use, plus SPARE_ROWS (a block's cost grows with its rows:
-        at batch 1 a row costs ~0.3 ms of a ~4 ms block); the others run all theirs, to measure them."""
+        yet, and those due to probe. A job drafted on its forecast drafts the rows that the longer of its
+        forecast's window and its recent windows may use, plus SPARE_ROWS (a row not drafted skips the draft
+        head, the Markov chain and the confidence head); the others draft all theirs, to measure them. Every
+        block still runs all its slots (the jobs' num_drafts as given), and is priced by them."""
         forecast = {j.index: self._calibrated(j.request, self.forecast[j.request.request_id].means(j.num_drafts))
                     for j in jobs if j.request.request_id in self.forecast}
         window_of = self._budget(plan, forecast) if forecast else {}
@@ -150,8 +151,7 @@ class BudgetPlanner:
             i, rid = job.index, job.request.request_id
             every = self.probe_every.get(rid, self.PROBE_EVERY)
             if i in forecast and window_of[i] > 0:
-                rows = max(window_of[i], self.reach.get(rid, 0)) + self.SPARE_ROWS
-                may.append(job._replace(num_drafts=min(job.num_drafts, rows)))
+                may.append(job)
             elif i not in forecast or self.num_steps % every == 0:
                 must.append(job)
                 if i in forecast:
@@ -161,7 +161,9 @@ class BudgetPlanner:
         for job in may:
             self.probe_every.pop(job.request.request_id, None)
         self.num_steps += 1
-        return sorted(must + may)
+        rows = {job.index: max(window_of[job.index], self.reach.get(job.request.request_id, 0)) + self.SPARE_ROWS
+                for job in may}
+        return sorted(must + [job._replace(num_drafts=min(job.num_drafts, rows[job.index])) for job in may])
 
     def observe(self, req: Request, confidences: list[float]) -> None:
         # The forecast is the mean over the request's blocks, not its last block: one unsure token must
@@ -184,18 +186,18 @@ class BudgetPlanner:
         for state in (self.forecast, self.claimed, self.held, self.probe_every, self.reach):
             state.pop(req.request_id, None)
 
-    def timed(self, rows: int, seconds: float) -> None:
+    def timed(self, slots: int, seconds: float) -> None:
         if not self.measure_overhead:
             return
-        extra = max(0.0, seconds - self.relative_block_cost * self.cost.time(rows))
+        extra = max(0.0, seconds - self.relative_block_cost * self.cost.time(slots))
         last = self.block_overhead
         self.block_overhead = extra if last is None else last + self.OVERHEAD_WEIGHT * (extra - last)
 
-    def block_time(self, rows: int) -> float:
-        """Expected seconds of a block over `rows` rows (0: no block)."""
-        if not rows:
+    def block_time(self, slots: int) -> float:
+        """Expected seconds of a block over `slots` slots (0: no block)."""
+        if not slots:
             return 0.0
-        return self.relative_block_cost * self.cost.time(rows) + (self.block_overhead or 0.0)
+        return self.relative_block_cost * self.cost.time(slots) + (self.block_overhead or 0.0)
 
     def _calibrated(self, req: Request, confidences: list[float]) -> list[float]:
         """Each row's confidence times (accepted + k) / (claimed + k) of the request's verified drafts, capped at 1."""
@@ -211,14 +213,14 @@ class BudgetPlanner:
 
     def _pays_off(self, plan: StepPlan, forecast: dict[int, list[float]], window_of: dict[int, int],
                   must: list[DraftJob], may: list[DraftJob]) -> bool:
-        """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block rows."""
+        """Whether the `may` jobs' expected accepted drafts outweigh their verify rows and block slots."""
         emitting = sum(s.samples for s in plan.scheduled)
         fed = sum(s.num_feed for s in plan.scheduled)
         gain = sum(sum(survivals(forecast[j.index])[:window_of[j.index]]) for j in may)
-        must_rows = sum(j.num_drafts for j in must)
-        without = emitting / (self.cost.time(fed) + self.block_time(must_rows))
+        must_slots = sum(j.num_drafts for j in must)
+        without = emitting / (self.cost.time(fed) + self.block_time(must_slots))
         with_may = (emitting + gain) / (self.cost.time(fed + sum(window_of[j.index] for j in may))
-                                        + self.block_time(must_rows + sum(j.num_drafts for j in may)))
+                                        + self.block_time(must_slots + sum(j.num_drafts for j in may)))
         return with_may > without
 
     def _budget(self, plan: StepPlan, confidences: dict[int, list[float]]) -> dict[int, int]:
