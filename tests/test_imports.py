@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "quantization": {"loader", "native"},
     "kv_pages": {"config", "native"},
     "loader": {"config"},
-    "sampling": {"types"},
+    "sampling": {"types", "native"},
     "grammar": {"types"},
     "attention": {"kv_pages", "native"},
     "radix_cache": {"kv_pages"},
