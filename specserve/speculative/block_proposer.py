@@ -37,7 +37,7 @@ from specserve.speculative import CommittedContext, DraftJob
 from specserve.speculative.cost_table import resolve_cost_table
 from specserve.speculative.ngram import NgramHybrid
 from specserve.speculative.windows import AllRows, BudgetPlanner, Candidate, Threshold, WindowPolicy
-from specserve.types import Proposal, Request, StepPlan, VerifyResult
+from specserve.types import Proposal, Request, ScheduledRequest, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
     from specserve.loader import LoadedCheckpoint
@@ -110,7 +110,7 @@ class BlockDrafterProposer(CommittedContext):
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> Proposal:
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
-        jobs = [DraftJob(i, s.request, min(self.gamma, s.max_drafts)) for i, s in enumerate(plan.scheduled)
+        jobs = [DraftJob(i, s.request, self._slots(s)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
         jobs = self.policy.worth_drafting(plan, jobs)
         candidates: dict[int, Candidate] = {}     # by plan index
@@ -122,7 +122,7 @@ class BlockDrafterProposer(CommittedContext):
             # The context a block writes first is part of its cost while it drafts every step (a step's tokens);
             # after skipped steps it catches up on theirs, a price of skipping that the next block does not pay.
             catching_up = written > (self.gamma + 1) * len(jobs)
-            self.policy.timed(sum(self._slots(plan, job) for job in jobs),
+            self.policy.timed(sum(self._slots(plan.scheduled[job.index]) for job in jobs),
                               time.perf_counter() - (flushed if catching_up else start))
         if self.hybrid is not None:
             self.hybrid.weigh(plan, candidates, self.gamma)
@@ -151,7 +151,7 @@ class BlockDrafterProposer(CommittedContext):
         lead = int(self.drafter.config.anchor_slot)         # slots before the first draft row
         tokens, positions, spans, draft_rows, slots = [], [], [], [], []
         for job in jobs:
-            req, anchor, n = job.request, job.request.num_tokens - 1, self._slots(plan, job) + lead
+            req, anchor, n = job.request, job.request.num_tokens - 1, self._slots(plan.scheduled[job.index]) + lead
             draft_rows += range(len(tokens) + lead, len(tokens) + lead + job.num_drafts)
             slots.append(n)
             tokens += [req.all_token_ids[-1]] + [self.drafter.config.mask_token_id] * (n - 1)
@@ -214,9 +214,9 @@ class BlockDrafterProposer(CommittedContext):
                 prev[j] = drafter.to_draft[token]
         return drafts, probs
 
-    def _slots(self, plan: StepPlan, job: DraftJob) -> int:
-        """The draft slots of a job's block: gamma, bar those the scheduler could not reserve."""
-        return min(self.gamma, plan.scheduled[job.index].max_drafts)
+    def _slots(self, sched: ScheduledRequest) -> int:
+        """The draft slots of a request's block: gamma, bar those the scheduler could not reserve."""
+        return min(self.gamma, sched.max_drafts)
 
     def _with_markov(self, logits: torch.Tensor,    # [n, V_d] one row of each job's block
                      prev: torch.Tensor) -> torch.Tensor:   # [n] draft ids of the drafts before them
