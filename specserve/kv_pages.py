@@ -4,12 +4,14 @@ point there, so a masked-out key is always finite."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from specserve import native
 from specserve.config import ModelConfig
+from specserve.native import hugepages
 from specserve.native.ops import KV_SCALE_BYTES, to_pool
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,8 @@ class KVPool:
         self.page_size = page_size
         self.null_slot = num_pages * page_size      # first slot of the reserved zero page
         shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_width)
-        self.k = torch.zeros(shape, dtype=geometry.dtype)
-        self.v = torch.zeros(shape, dtype=geometry.dtype)
+        self.k = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)    # a long context's reads
+        self.v = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)
         # each layer's view, made once: taking k[i] inside the scripted layer stack is an op per layer and step
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
         if geometry.dtype == torch.int8:

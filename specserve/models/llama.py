@@ -12,6 +12,7 @@ from specserve.attention.sdpa import AttentionChunk, AttentionMetadata, RowTable
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
 from specserve.models.layers import Linear, Rope, make_linear, rms_norm
+from specserve.native import hugepages
 from specserve.native.ops import apply_rope
 from specserve.quantization import Int8Linear
 
@@ -103,6 +104,24 @@ def warm_up(model: LlamaModel, kv_dtype: torch.dtype) -> None:
         model.forward(torch.zeros(num_new, dtype=torch.long), positions, meta, pool)
 
 
+def native_stack(layers: list[DecoderLayer], dtype: torch.dtype) -> torch.ScriptObject | None:
+    """The stack as one native call (native/stack.cpp: the same ops in the same order, so the same bits, without the
+    interpreter and the dispatcher) where it has a kernel for each op: int8 linears in float32, no qk-norm, compiled
+    kernels. None elsewhere."""
+    linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if (dtype != torch.float32 or not layers or not all(isinstance(lin, Int8Linear) for lin in linears)
+            or any(layer.q_norm is not None for layer in layers) or not native.register()):
+        return None
+    none = torch.empty(0)
+    return torch.classes.specserve.DecoderStack(
+        [layer.input_norm for layer in layers], [layer.qkv.weight for layer in layers],
+        [layer.qkv.scale for layer in layers], [none if layer.qkv.bias is None else layer.qkv.bias for layer in layers],
+        [layer.o.weight for layer in layers], [layer.o.scale for layer in layers],
+        [layer.post_norm for layer in layers], [layer.gate_up.weight for layer in layers],
+        [layer.gate_up.scale for layer in layers], [layer.down.weight for layer in layers],
+        [layer.down.scale for layer in layers], layers[0].heads, layers[0].scale, layers[0].eps)
+
+
 def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated", category=DeprecationWarning)
@@ -127,6 +146,7 @@ class LlamaModel:
             return weights[name].to(dtype)
 
         self.embed = w("model.embed_tokens.weight")                       # [vocab, hidden]
+        owns_head = shared_head is None
         if shared_head is None:
             shared_head = make_linear(self.embed if config.tie_word_embeddings else w("lm_head.weight"),
                                       quantization=quantization, plain_single_row=True)
@@ -149,9 +169,19 @@ class LlamaModel:
                                     quantization=quantization),
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
+        self._int8_weights_in_huge_pages(owns_head)
         native.register()               # the layers call its ops: they must exist before the stack is compiled
         self.stack = scripted(DecoderStack(self.layers)) if script else None
+        self.native_stack = native_stack(self.layers, dtype) if script else None
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
+
+    def _int8_weights_in_huge_pages(self, owns_head: bool) -> None:
+        """The int8 weights, moved into one huge-page arena in the order a forward reads them (see
+        native/hugepages.py); before the stack is scripted, which keeps the tensors it is given."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        int8 = [lin for lin in linears + ([self.head] if owns_head else []) if isinstance(lin, Int8Linear)]
+        for lin, weight in zip(int8, hugepages.gathered([lin.weight for lin in int8])):
+            lin.weight = weight
 
     def row_weights(self) -> int:
         """Weights one token's row multiplies through in a forward, the vocabulary projection included."""
@@ -175,6 +205,11 @@ class LlamaModel:
         """`forward` from input vectors x: [num_tokens, hidden] instead of token ids (EAGLE's inputs
         mix the token embedding with a feature)."""
         cos, sin = self.rope.tables(positions)
+        rows = meta.rows
+        if self.native_stack is not None and rows is not None and x.dtype == torch.float32:
+            x, aux = self.native_stack.forward(x, cos, sin, pool.k, pool.v, meta.slot_mapping, rows.seq, rows.length,
+                                               rows.slots, list(aux_layer_ids))
+            return rms_norm(x, self.final_norm, self.config.rms_norm_eps), aux
         x, aux = self.stack(x, cos, sin, pool.k_layers, pool.v_layers, meta.slot_mapping, list(meta.chunks), meta.rows,
                             list(aux_layer_ids))
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps), aux

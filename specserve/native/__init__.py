@@ -1,6 +1,7 @@
 """The project's C++ ops (`torch.ops.specserve.*`): the row-invariant attention, alone or with the rotary and the
 K/V write before it (rows.cpp), the int8 linear (int8_linear.cpp) and the rows' argmax of greedy sampling (argmax.cpp);
-their schemas and references are in ops.py.
+their schemas and references are in ops.py. stack.cpp composes the first two into a whole decoder stack's forward,
+a class (`torch.classes.specserve.DecoderStack`) that exists only where they are compiled.
 
 They are compiled together for this machine on first use (gcc and ninja, explicit -mavx2 -mfma -mf16c rather than
 -march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path and the
@@ -23,8 +24,8 @@ from specserve.native import ops
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp", "stack.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
 
 
