@@ -439,7 +439,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
 
   at::Tensor out = at::empty({rows, heads, d}, q.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  // a decode row's heads merge on one thread: a parallel region costs more than their few hundred flops
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / heads, h = u % heads, w0 = first[r], splits = first[r + 1] - w0;
       float m = -std::numeric_limits<float>::infinity();
