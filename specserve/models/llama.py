@@ -2,6 +2,7 @@
 Fused QKV and gate/up projections keep the op count low: at batch 1 on a CPU, overhead is half the step."""
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -130,11 +131,9 @@ def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none",
-                 script: bool = True) -> None:
+                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none") -> None:
         """`shared_head`: use another model's vocabulary projection (drafters share the target's).
-        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear.
-        `script`: compile the layer stack (a tensor-parallel shard runs its layers one by one instead)."""
+        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear."""
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -170,18 +169,23 @@ class LlamaModel:
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
         self._int8_weights_in_huge_pages(owns_head)
-        native.register()               # the layers call its ops: they must exist before the stack is compiled
-        self.stack = scripted(DecoderStack(self.layers)) if script else None
-        self.native_stack = native_stack(self.layers, dtype) if script else None
+        self.native_stack = native_stack(self.layers, dtype)
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
 
     def _int8_weights_in_huge_pages(self, owns_head: bool) -> None:
         """The int8 weights, moved into one huge-page arena in the order a forward reads them (see
-        native/hugepages.py); before the stack is scripted, which keeps the tensors it is given."""
+        native/hugepages.py); before the stacks are made, which keep the tensors they are given."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         int8 = [lin for lin in linears + ([self.head] if owns_head else []) if isinstance(lin, Int8Linear)]
         for lin, weight in zip(int8, hugepages.gathered([lin.weight for lin in int8])):
             lin.weight = weight
+
+    @functools.cached_property
+    def stack(self) -> torch.jit.ScriptModule:
+        """The layer stack under TorchScript, compiled on first use (~1 s for SmolLM2's 30 layers): the paths the
+        native stack does not take (float linears, qk-norm, a float64 KV pool) run it."""
+        native.register()               # the layers call its ops: they must exist before the stack is compiled
+        return scripted(DecoderStack(self.layers))
 
     def row_weights(self) -> int:
         """Weights one token's row multiplies through in a forward, the vocabulary projection included."""

@@ -99,7 +99,7 @@ class ModelShard:
         self.vocab_start, _ = vocab_share(config.vocab_size, rank, tp_size)
         self.vocab_per_rank = math.ceil(config.vocab_size / tp_size)
         self.model = LlamaModel(shard_config(config, rank, tp_size), shard_weights(config, weights, rank, tp_size),
-                                dtype, quantization=quantization, script=False)
+                                dtype, quantization=quantization)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
