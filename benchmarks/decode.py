@@ -97,24 +97,46 @@ def int8_weight_bytes(llm: LLM) -> int:
     return sum(lin.weight.numel() + 4 * lin.scale.numel() for lin in linears)
 
 
+NATIVE_STACK = "decoder layers in the native stack (their int8 linears, attention, rotary and K/V writes)"
+
+
+class ProfiledStack:
+    """The native stack's one call as a profiler event: its kernels run without the dispatcher the profiler watches."""
+
+    def __init__(self, stack: torch.ScriptObject) -> None:
+        self.stack = stack
+
+    def forward(self, *args):
+        with torch.profiler.record_function(NATIVE_STACK):
+            return self.stack.forward(*args)
+
+
 def step_breakdown(llm: LLM, prompt: list[int], new_tokens: int, step_s: float) -> dict[str, float]:
-    """Milliseconds per batch-1 decode step (`step_s`, measured unprofiled) in each part. The layer stack runs in
-    TorchScript, so nothing can be timed around its calls: torch.profiler takes each op's own CPU time while
-    decoding, the ops are grouped, and the shares are scaled to `step_s` (the profiler's per-op cost would inflate
-    the rest). "Interpreter, Python and dispatch" is the part of the step that no op accounts for."""
+    """Milliseconds per batch-1 decode step (`step_s`, measured unprofiled) in each part. torch.profiler takes each
+    op's own CPU time while decoding (the native stack's call as one event; a scripted stack's ops one by one), the
+    ops are grouped, and the shares are scaled to `step_s` (the profiler's per-op cost would inflate the rest).
+    "Interpreter, Python and dispatch" is the part of the step that no op accounts for."""
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        llm.generate([prompt], params)
-        profiled_s = time.perf_counter() - start
-    groups = {"int8 linears (our kernel: norm or gating, quantization, product; the LM head included)":
+    model = llm.engine.model
+    native = model.native_stack
+    if native is not None:
+        model.native_stack = ProfiledStack(native)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            profiled_s = time.perf_counter() - start
+    finally:
+        model.native_stack = native
+    groups = {NATIVE_STACK: (NATIVE_STACK,),
+              "int8 linears called as ops (the LM head; every linear where the stack is scripted)":
                   ("specserve::int8_linear",),
               "attention (the row-invariant kernel with rotary and K/V writes)": ("specserve::paged_attention_qkv",
                                                                                    "specserve::paged_attention_rows",
                                                                     "aten::index_copy_")}
     spent: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if not event.key.startswith(("aten::", "quantized::", "mkldnn::", "specserve::")):
+        if not event.key.startswith(("aten::", "quantized::", "mkldnn::", "specserve::", NATIVE_STACK)):
             continue
         group = next((g for g, names in groups.items() if event.key in names),
                      "other ops (norms, rotary, scaling, casts)")
