@@ -169,6 +169,7 @@ class LlamaModel:
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
         self._int8_weights_in_huge_pages(owns_head)
+        native.register()               # the layers call its ops on every path: they must exist before any forward
         self.native_stack = native_stack(self.layers, dtype)
         self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
 
@@ -184,7 +185,6 @@ class LlamaModel:
     def stack(self) -> torch.jit.ScriptModule:
         """The layer stack under TorchScript, compiled on first use (~1 s for SmolLM2's 30 layers): the paths the
         native stack does not take (float linears, qk-norm, a float64 KV pool) run it."""
-        native.register()               # the layers call its ops: they must exist before the stack is compiled
         return scripted(DecoderStack(self.layers))
 
     def row_weights(self) -> int:
