@@ -138,8 +138,10 @@ def split_pages(memory_bytes: int, page_size: int, geometries: list[KVGeometry])
 
 def slots_for(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
     """[end - start] the pool slots of positions start .. end - 1 of a sequence holding `pages`."""
-    pos = torch.arange(start, end)
-    return torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size
+    first = start // page_size
+    used = torch.tensor(pages[first:-(-end // page_size)], dtype=torch.long) * page_size
+    offset = first * page_size
+    return (used[:, None] + torch.arange(page_size)).view(-1)[start - offset:end - offset]
 
 
 def log_pool(name: str, pool: KVPool) -> None:

@@ -88,6 +88,12 @@ class RowTables(NamedTuple):
     @staticmethod
     def build(spans: list[SeqSpan], page_size: int, null_slot: int) -> tuple["RowTables", torch.Tensor]:
         """The tables and the new tokens' slots."""
+        if len(spans) == 1:     # batch 1: four small ops rather than a table filled row by row (~40 µs a step)
+            s = spans[0]
+            kv_len = s.start + s.num_new
+            slots = slots_for(s.pages, 0, kv_len, page_size)
+            length = torch.arange(s.start + 1, kv_len + 1) if s.causal else torch.full((s.num_new,), kv_len)
+            return RowTables(torch.zeros(s.num_new, dtype=torch.long), length, slots[None]), slots[s.start:]
         max_kv = max(s.start + s.num_new for s in spans)
         slots = torch.full((len(spans), max_kv), null_slot, dtype=torch.long)
         seq, length, slot_mapping = [], [], []

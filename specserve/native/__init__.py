@@ -1,5 +1,6 @@
 """The project's C++ ops (`torch.ops.specserve.*`): the row-invariant attention, alone or with the rotary and the
-K/V write before it (rows.cpp), the int8 linear (int8_linear.cpp) and the rows' argmax of greedy sampling (argmax.cpp);
+K/V write before it (rows.cpp), the int8 linear (int8_linear.cpp), the rows' argmax of greedy sampling (argmax.cpp)
+and DSPARK's greedy Markov chain over the two (markov.cpp);
 their schemas and references are in ops.py. stack.cpp composes the first two into a whole decoder stack's forward,
 a class (`torch.classes.specserve.DecoderStack`) that exists only where they are compiled.
 
@@ -24,7 +25,8 @@ from specserve.native import ops
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp", "stack.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp", "markov.cpp", "stack.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
 
@@ -42,7 +44,8 @@ def references() -> dict[str, tuple[str, Callable]]:
             "paged_attention_qkv": (ops.PAGED_ATTENTION_QKV, ops.paged_attention_qkv),
             "int8_linear": (ops.INT8_LINEAR, ops.int8_linear),
             "quantize_kv": (ops.QUANTIZE_KV, ops.quantize_kv),
-            "argmax_rows": (ops.ARGMAX_ROWS, ops.argmax_rows)}
+            "argmax_rows": (ops.ARGMAX_ROWS, ops.argmax_rows),
+            "markov_greedy": (ops.MARKOV_GREEDY, ops.markov_greedy)}
 
 
 @functools.cache

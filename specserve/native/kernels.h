@@ -1,4 +1,5 @@
-// The kernels one op composes from another translation unit (stack.cpp calls them without the dispatcher).
+// The kernels one op composes from another translation unit (stack.cpp and markov.cpp call them without the
+// dispatcher).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,3 +14,5 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
                                at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                                const at::Tensor& row_seq, const at::Tensor& row_len, const at::Tensor& seq_slots,
                                int64_t heads, double scale);
+
+at::Tensor argmax_rows(const at::Tensor& x_in);

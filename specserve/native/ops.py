@@ -16,11 +16,23 @@ ACTIVATION_GROUP = 128          # inputs per activation scale (native/int8_linea
 KV_SCALE_BYTES = 4              # an int8 pool's KV head: head_dim int8 values, then their float32 scale's bytes
 QUANTIZE_KV = "quantize_kv(Tensor x) -> Tensor"
 ARGMAX_ROWS = "argmax_rows(Tensor x) -> Tensor"
+MARKOV_GREEDY = "markov_greedy(Tensor base, Tensor prev, Tensor w1, Tensor w2, Tensor w2_scale) -> Tensor"
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """native/argmax.cpp: [rows, n] float32 → [rows] the first maximal index of each row (a NaN counts as maximal)."""
     return x.argmax(dim=-1)
+
+
+def markov_greedy(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor) -> torch.Tensor:
+    """native/markov.cpp: base [jobs, rows, V] float32, prev [jobs] draft ids, w1 [V + 1, r], the int8 linear w2 r → V
+    → [jobs, rows] the draft ids of argmax(base_k + w2(w1[prev_k])), prev_k being row k - 1's pick."""
+    picked = []
+    for k in range(base.shape[1]):
+        prev = argmax_rows(int8_linear(w1[prev], None, 0.0, False, w2, w2_scale, None, base[:, k]))
+        picked.append(prev)
+    return torch.stack(picked, dim=1)
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:

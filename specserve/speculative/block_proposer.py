@@ -33,6 +33,7 @@ from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.config import SpecConfig
 from specserve.kv_pages import KVPool, slots_for
 from specserve.models.block_drafter import BlockDrafter, BlockDrafterCheckpoint, load_token_map
+from specserve.quantization import Int8Linear
 from specserve.speculative import CommittedContext, DraftJob
 from specserve.speculative.cost_table import resolve_cost_table
 from specserve.speculative.ngram import NgramHybrid
@@ -190,12 +191,9 @@ class BlockDrafterProposer(CommittedContext):
         rows = max(job.num_drafts for job in jobs)
         uniform = all(job.num_drafts == rows for job in jobs)     # then row k of every job is a strided view
         if uniform and all(job.request.params.greedy and not job.request.params.has_penalties for job in jobs):
-            # Greedy rows stay tensors to the block's end: a row is a few ops, not a Python pass over the jobs.
-            picked = []
-            for k in range(rows):
-                prev = sampling.greedy_tokens(self._with_markov(logits.view(len(jobs), rows, -1)[:, k], prev))
-                picked.append(prev)
-            return drafter.token_map[torch.stack(picked, dim=1)].tolist(), [[] for _ in jobs]
+            # Greedy rows stay tensors to the block's end: not a Python pass over the jobs per row.
+            picked = self._greedy_drafts(logits.view(len(jobs), rows, -1), prev)
+            return drafter.token_map[picked].tolist(), [[] for _ in jobs]
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         for k in range(rows):
@@ -213,6 +211,22 @@ class BlockDrafterProposer(CommittedContext):
                 drafts[j].append(token)
                 prev[j] = drafter.to_draft[token]
         return drafts, probs
+
+    def _greedy_drafts(self, logits: torch.Tensor,    # [jobs, rows, V_d] each job's block rows
+                       prev: torch.Tensor) -> torch.Tensor:   # [jobs] draft ids of the tokens before the first rows
+        """Each row's argmax after the Markov term of the row before's pick (DSPARK; DFLASH's rows are independent)
+        → [jobs, rows] draft ids. An int8 Markov head runs the chain as one native op (native/markov.cpp, the same
+        bits as this loop)."""
+        drafter = self.drafter
+        if not drafter.markov:
+            return sampling.greedy_tokens(logits.flatten(0, 1)).view(logits.shape[:2])
+        if isinstance(drafter.w2, Int8Linear) and logits.dtype == torch.float32:
+            return torch.ops.specserve.markov_greedy(logits, prev, drafter.w1, drafter.w2.weight, drafter.w2.scale)
+        picked = []
+        for k in range(logits.shape[1]):
+            prev = sampling.greedy_tokens(drafter.markov_logits(prev, logits[:, k]))
+            picked.append(prev)
+        return torch.stack(picked, dim=1)
 
     def _slots(self, sched: ScheduledRequest) -> int:
         """The draft slots of a request's block: gamma, bar those the scheduler could not reserve."""
