@@ -105,9 +105,20 @@ def test_scripted_layer_stack_equals_the_eager_layers_bit_for_bit(quantization, 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
-def test_native_stack_equals_the_scripted_stack_bit_for_bit(arch, kv_dtype):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_stack_equals_the_scripted_stack_bit_for_bit(arch, kv_dtype, threads):
     """int8 float32 layers run as one native call; it must compute the scripted stack's bits: hidden states, aux
-    layers and every K/V it writes, over a prefill, a verify window and a batch of two sequences."""
+    layers and every K/V it writes, over prefills (one longer than the rows whose linears share a parallel region), a
+    verify window and a batch of two sequences, on one thread and on two."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _native_stack_equals_the_scripted_stack(arch, kv_dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _native_stack_equals_the_scripted_stack(arch, kv_dtype):
     torch.manual_seed(0)
     kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -120,10 +131,11 @@ def test_native_stack_equals_the_scripted_stack_bit_for_bit(arch, kv_dtype):
     assert model.native_stack is not None
     steps = [[(SeqSpan([3, 1, 0], 0, 7), PROMPTS[0])],                                   # prefill
              [(SeqSpan([3, 1, 0], 7, 3), [4, 5, 6]), (SeqSpan([5, 4], 0, 5), [9, 8, 7, 6, 5])],   # window + prefill
-             [(SeqSpan([3, 1, 0], 10, 1), [2]), (SeqSpan([5, 4], 5, 2), [1, 2])]]
+             [(SeqSpan([3, 1, 0], 10, 1), [2]), (SeqSpan([5, 4], 5, 2), [1, 2])],
+             [(SeqSpan([8, 9, 10, 11, 12], 0, 19), list(range(10, 29)))]]                  # 19 rows
     runs = []
     for native in (True, False):
-        pool = KVPool(KVGeometry.of(cfg, kv_dtype), 8, 4)
+        pool = KVPool(KVGeometry.of(cfg, kv_dtype), 16, 4)
         outs = []
         for step in steps:
             meta = AttentionMetadata.for_pool([span for span, _ in step], pool)
