@@ -20,6 +20,7 @@ from specserve.train.trainer import (
     make_batch,
     sample_anchors,
     seeded,
+    walk_accept_length,
     sequence,
     usable_examples,
 )
@@ -299,6 +300,14 @@ def test_held_out_report_scores_the_drafter_and_the_bigram_on_every_anchor(tiny_
             total += 1
     assert report["bigram_row_top1"][0] == round(hits / total, 4)
     assert 1.0 <= report["accept_length"] <= 1 + SMALL["block_size"]
+    assert 1.0 <= report["walk_accept_length"] <= 1 + SMALL["block_size"]
+
+
+def test_the_walk_takes_each_block_where_the_one_before_ended():
+    # example 1: blocks of 3 then 2 then 1, 1 (anchors 0, 3, 5, 6); example 2: one block of 2 at anchor 0, then 1
+    lengths = torch.tensor([3, 1, 1, 2, 4, 1, 1] + [2, 5, 1])
+    assert walk_accept_length(lengths, [7, 3]) == round((3 + 2 + 1 + 1 + 2 + 1) / 6, 4)
+    assert walk_accept_length(torch.tensor([1, 1, 1]), [3]) == 1.0
 
 
 def test_markov_head_starts_from_the_count_bigram(tiny_llama, tiny_answers):

@@ -413,11 +413,15 @@ class DrafterTrainer:
             lengths.append(1 + match.long().cumprod(-1).sum(-1)[blocks])
             bigram_lengths.append(1 + bigram_match.long().cumprod(-1).sum(-1)[blocks])
         rows = rows.clamp_min(1)
+        # every anchor's block, in example order
+        per_example = [max(len(sequence(e)) - 1 - max(len(e.prompt_ids), 1), 0) for e in examples]
         return {"examples": len(examples), "blocks": int(sum(len(x) for x in lengths)),
                 "row_top1": [round(x, 4) for x in (hits / rows).tolist()],
                 "accept_length": round(float(torch.cat(lengths).double().mean()), 4),
+                "walk_accept_length": walk_accept_length(torch.cat(lengths), per_example),
                 "bigram_row_top1": [round(x, 4) for x in (bigram_hits / rows).tolist()],
-                "bigram_accept_length": round(float(torch.cat(bigram_lengths).double().mean()), 4)}
+                "bigram_accept_length": round(float(torch.cat(bigram_lengths).double().mean()), 4),
+                "bigram_walk_accept_length": walk_accept_length(torch.cat(bigram_lengths), per_example)}
 
     def checkpoint(self, temperatures: tuple[float, ...] = ()) -> BlockDrafterCheckpoint | EagleCheckpoint:
         if isinstance(self.config, EagleConfig):
@@ -429,6 +433,25 @@ class DrafterTrainer:
         if self.token_map is not None:
             weights["token_map"] = self.token_map.long()
         return BlockDrafterCheckpoint(config, weights, "trained drafter")
+
+
+def walk_accept_length(lengths: torch.Tensor, per_example: list[int]) -> float:
+    """Tokens per step of greedy decoding along each answer: the first block at the first anchor, each next one
+    where the block before's accepted drafts and bonus token end, as the engine's blocks fall. lengths: [blocks]
+    each anchor's acceptance length, `per_example[i]` of them for example i in turn. The mean over every anchor
+    weighs the anchors of a stretch the drafter guesses as much as those of one it does not, which the engine
+    crosses in fewer steps, and overstates the engine's tokens per step: the stage-10 drafter's 64 held-out answers
+    give 1.97 over every anchor and 1.79 along them; on eight answers the engine wrote, 1.59 along them against the
+    1.575 the engine measured writing them."""
+    tokens = steps = 0
+    for part in lengths.split(per_example):
+        walk = part.tolist()
+        i = 0
+        while i < len(walk):
+            tokens += walk[i]
+            steps += 1
+            i += walk[i]
+    return round(tokens / max(steps, 1), 4)
 
 
 def same_map(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
