@@ -20,9 +20,9 @@ from specserve.train.trainer import (
     make_batch,
     sample_anchors,
     seeded,
-    walk_accept_length,
     sequence,
     usable_examples,
+    walk_accept_length,
 )
 from specserve.types import SamplingParams
 from tests.spec_harness import record_proposals
