@@ -108,8 +108,8 @@ def test_scripted_layer_stack_equals_the_eager_layers_bit_for_bit(quantization, 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_stack_equals_the_scripted_stack_bit_for_bit(arch, kv_dtype, threads):
     """int8 float32 layers run as one native call; it must compute the scripted stack's bits: hidden states, aux
-    layers and every K/V it writes, over prefills (one longer than the rows whose linears share a parallel region), a
-    verify window and a batch of two sequences, on one thread and on two."""
+    layers and every K/V it writes, over prefills (one longer than the attention's 16-row groups), a verify window and a
+    batch of two sequences, on one thread and on two."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
