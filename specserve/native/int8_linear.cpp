@@ -167,18 +167,7 @@ struct Product : Operands {
   }
 };
 
-#define SPECSERVE_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-
 constexpr int64_t LANES = 16;         // output channels of a VNNI block, one per 32-bit lane of a 512-bit register
-
-// acc + the four uint8 x int8 products of each lane (_mm512_dpbusd_epi32): written as the instruction itself because
-// GCC 12 copies every accumulator of a loop in and out of a spare register around the intrinsic, twice the work.
-SPECSERVE_VNNI inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
-
-bool cpu_has_vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
 // q + 128 as uint8, what dpbusd's unsigned operand takes
 SPECSERVE_VNNI void shift(int8_t* a, int64_t n) {
