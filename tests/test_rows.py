@@ -17,6 +17,11 @@ def exact(pool: torch.Tensor) -> torch.Tensor:
     return ops.from_pool(pool, torch.float32).double()
 
 
+def scored(q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """The queries the kernel scores against `pool`, in float64: an int8 pool's are quantized as its keys are."""
+    return (ops.quantize_query(q) if pool.dtype == torch.int8 else q).double()
+
+
 def case(num_rows: int, shape: tuple[int, int, int] = SHAPES[0], slots: int = 3000, seed: int = 0):
     heads, kv_heads, d = shape
     gen = torch.Generator().manual_seed(seed)
@@ -37,7 +42,7 @@ def test_the_kernel_computes_what_the_reference_computes(kv_dtype, shape):
     row_seq = torch.tensor([0, 0, 1, 1, 0, 1, 0])
     row_len = torch.tensor([1, 9, 511, 512, 513, 1025, 1500])
     got = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, 0.125)
-    want = ops.paged_attention_rows(q.double(), exact(k_pool), exact(v_pool), row_seq, row_len, seq_slots, 0.125)
+    want = ops.paged_attention_rows(scored(q, k_pool), exact(k_pool), exact(v_pool), row_seq, row_len, seq_slots, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -80,7 +85,7 @@ def test_rows_of_one_sequence_share_a_pass_and_keep_their_bits(kv_dtype, shape):
         alone = torch.ops.specserve.paged_attention_rows(q[r:r + 1].contiguous(), k_pool, v_pool, row_seq[r:r + 1],
                                                          row_len[r:r + 1], seq_slots, 0.125)
         assert torch.equal(alone[0], window[r]), f"row {r} in its window differs from the row alone"
-    want = ops.paged_attention_rows(q.double(), exact(k_pool), exact(v_pool), row_seq, row_len, seq_slots, 0.125)
+    want = ops.paged_attention_rows(scored(q, k_pool), exact(k_pool), exact(v_pool), row_seq, row_len, seq_slots, 0.125)
     torch.testing.assert_close(window.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -98,7 +103,7 @@ def test_a_row_gives_the_same_bits_wherever_its_keys_sit_in_the_pool(kv_dtype):
     in_place = torch.ops.specserve.paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, adjacent, 0.125)
     gathered = torch.ops.specserve.paged_attention_rows(q, k_moved, v_moved, row_seq, row_len, where[None], 0.125)
     assert torch.equal(in_place, gathered)
-    want = ops.paged_attention_rows(q.double(), exact(k_pool), exact(v_pool), row_seq, row_len, adjacent, 0.125)
+    want = ops.paged_attention_rows(scored(q, k_pool), exact(k_pool), exact(v_pool), row_seq, row_len, adjacent, 0.125)
     torch.testing.assert_close(in_place.double(), want, rtol=1e-5, atol=1e-5)
 
 

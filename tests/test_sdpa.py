@@ -113,7 +113,9 @@ def test_a_float32_pool_attends_row_by_row_and_each_row_alone_gives_the_same_bit
         full_k, full_v = torch.cat([history[b][0], k[off:off + new]]), torch.cat([history[b][1], v[off:off + new]])
         # the pool holds the K/V rounded to its dtype
         full_k, full_v = [ops.from_pool(ops.to_pool(t, kv_dtype), torch.float64) for t in (full_k, full_v)]
-        ref = reference(q[off:off + new].double(), full_k, full_v, cached, causal)
+        # and an int8 pool scores its queries rounded as its keys are
+        q_scored = ops.quantize_query(q[off:off + new]) if kv_dtype == torch.int8 else q[off:off + new]
+        ref = reference(q_scored.double(), full_k, full_v, cached, causal)
         torch.testing.assert_close(out[off:off + new].double(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(attend([b]), out[off:off + new]), f"sequence {b} alone differs from its rows in the batch"
         off += new

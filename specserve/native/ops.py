@@ -73,9 +73,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def quantize_query(q: torch.Tensor) -> torch.Tensor:
+    """The query an int8 pool's attention scores, [..., head_dim] → the same shape and dtype: each block of 16 values
+    (8 where head_dim is not a multiple of 16) rounded to 255 levels over its largest magnitude, as a key head is
+    (quantize_kv)."""
+    block = 16 if q.shape[-1] % 16 == 0 else 8
+    blocks = q.float().reshape(*q.shape[:-1], q.shape[-1] // block, block)
+    return dequantize_kv(quantize_kv(blocks)).reshape(q.shape).to(q.dtype)
+
+
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, row_seq: torch.Tensor,
                          row_len: torch.Tensor, seq_slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """native/rows.cpp's attention, one row at a time. q: [rows, heads, head_dim] → [rows, heads, head_dim]."""
+    """native/rows.cpp's attention, one row at a time (an int8 pool scores `quantize_query`'s queries).
+    q: [rows, heads, head_dim] → [rows, heads, head_dim]."""
+    if k_pool.dtype == torch.int8:
+        q = quantize_query(q)
     out = torch.empty_like(q)
     for r in range(len(q)):
         slots = seq_slots[row_seq[r], :row_len[r]]

@@ -12,7 +12,9 @@
 // and V into cache, then scores 8 keys at a time and weighs head by head. The pool holds float32 or float16 K/V
 // (widened exactly to float32 as it is read: half the bytes to stream at long contexts), or int8 K/V with one
 // float32 scale per slot and KV head, stored after the head's values (a quarter of float32's bytes plus the scale):
-// each value is read as int8 x scale (a key's scale applied to its score), one rounding, the same wherever read.
+// each value is read as int8 x scale (a key's scale applied to its score), one rounding, the same wherever read. An
+// int8 pool's queries are rounded to int8 too, in blocks of 16 values with a scale each, so that on a CPU with
+// AVX-512 VNNI a score is exact integer dot products (vpdpbusd over the 16 keys' bytes transposed) times the scales.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -66,18 +69,12 @@ int32_t touch(const KV* const* key_slots, const KV* const* value_slots, int64_t 
   return seen;
 }
 
-// out[j, :] = the d values of the KV head at slots[j] + offset as float32 (times its scale in an int8 pool), j < n.
+// out[j, :] = the d values of the KV head at slots[j] + offset as float32 (an int8 pool's without its scale), j < n.
 template <typename KV>
 void widen(const KV* const* slots, int64_t n, int64_t offset, int64_t d, float* out) {
   for (int64_t j = 0; j < n; ++j) {
     const KV* src = slots[j] + offset;
-    float* dst = out + j * d;
-    if constexpr (std::is_same_v<KV, int8_t>) {
-      const __m256 scale = _mm256_set1_ps(head_scale(src, d));
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(load8(src + i), scale));
-    } else {
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
-    }
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + j * d + i, load8(src + i));
   }
 }
 
@@ -96,17 +93,54 @@ inline void weigh(const float* p, int64_t n, const KV* const* values, int64_t he
   for (int k = 0; k < V; ++k) _mm256_storeu_ps(acc + 8 * k, a[k]);
 }
 
-// The scaled scores of query q against 8 float32 keys `stride` apart: each its own chain of FMAs over head_dim d,
-// then one transposing sum of the 8.
-inline __m256 score8(const float* q, const float* keys, int64_t stride, int64_t d, float scale) {
+// The dot products of query q with 8 float32 keys `stride` apart: each its own chain of FMAs over head_dim d, then
+// one transposing sum of the 8.
+inline __m256 dot8(const float* q, const float* keys, int64_t stride, int64_t d) {
   __m256 acc[8];
   for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + k * stride + i), acc[k]);
   }
-  return _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale));
+  return sum8x8(acc);
 }
+
+// x's d values rounded (half to even) to the nearest of 255 levels over their largest magnitude, into dst; returns
+// the scale, peak / 127 (0 for an all-zero head).
+inline float quantize_head(const float* x, int64_t d, int8_t* dst) {
+  float peak = 0.0f;
+  for (int64_t i = 0; i < d; ++i) peak = std::max(peak, std::fabs(x[i]));
+  const float inv = peak > 1e-30f ? 127.0f / peak : 0.0f;
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  return peak > 1e-30f ? peak / 127.0f : 0.0f;
+}
+
+// An int8 pool's query values per scale: 16 (8 where head_dim is not a multiple of 16).
+constexpr int64_t query_block(int64_t d) { return d % 16 == 0 ? 16 : 8; }
+
+// An int8 pool's queries, each block of query_block values quantized as a key head is (quantize_head; one scale for
+// a head's 64 values cost SmolLM2 +0.2% NLL against a float16 cache, blocks of 16 +0.07%). The other paths score
+// the blocks' dequantized values in float32; the VNNI path each block's exact integer dot product times its scale.
+struct Queries {
+  std::vector<int8_t> values;          // [rows, heads, d]
+  std::vector<float> dequantized;      // [rows, heads, d]: values x their block's scale
+  std::vector<float> scale;            // [rows, heads, d / query_block(d)]
+  std::vector<int32_t> sum;            // [rows, heads, d / query_block(d)]: each block's sum (dpbusd's offset / 128)
+
+  Queries(const float* q, int64_t row_heads, int64_t d)
+      : values(row_heads * d), dequantized(row_heads * d), scale(row_heads * d / query_block(d)),
+        sum(row_heads * d / query_block(d), 0) {
+    const int64_t block = query_block(d);
+    for (int64_t b = 0; b < row_heads * d / block; ++b) {
+      const int64_t at = b * block;
+      scale[b] = quantize_head(q + at, block, values.data() + at);
+      for (int64_t i = at; i < at + block; ++i) {
+        dequantized[i] = values[i] * scale[b];
+        sum[b] += values[i];
+      }
+    }
+  }
+};
 
 // Whether 8 slots follow each other in the pool.
 inline bool adjacent(const int64_t* slots) {
@@ -124,12 +158,16 @@ struct Work {
 // max score, sum of exponentials and weighted values.
 template <typename KV>
 struct Split {
-  const float* q;                      // [rows, heads, d]
+  const float* q;                      // [rows, heads, d]; an int8 pool's: Queries::dequantized
   const int64_t* len;                  // row_len
   int64_t heads, kv_heads, group, d, head_width, slot_size, split_keys;
   float scale;
   const int64_t* first;                // a row's first part
   float *part_max, *part_sum, *part_acc;
+  bool vnni;                           // an int8 pool's scores by AVX-512 VNNI
+  const int8_t* query_int8;            // [rows, heads, d]: an int8 pool's quantized queries, else null
+  const float* query_scale;            // [rows, heads, d / 16]: their scales (head_dim 64 or 128), else null
+  const int32_t* query_sum;            // [rows, heads, d / 16]: their blocks' sums, else null
 
   // scores[(r - it.row) * heads + h][j] ← e^(score - the split's max) for the row's keys j < n; part_sum ← their sum
   void exponentiate(const Work& it, int64_t r, int64_t n, float* scores) const {
@@ -166,6 +204,7 @@ struct Split {
   void run_avx2(const Work& it, int64_t n_all, const int64_t* row_slots, const KV* const* key_slots,
                 const KV* const* value_slots, float* scores, float* widened) const {
     const int64_t lo = it.split * SPLIT;
+    __m256 ks = _mm256_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n_all; j0 += 8) {
       for (int64_t g = 0; g < kv_heads; ++g) {
         const float* block = widened;      // the 8 keys of KV head g, float32, `stride` apart
@@ -176,12 +215,17 @@ struct Split {
         } else {
           widen(key_slots + j0, 8, g * head_width, d, widened);
         }
+        if constexpr (std::is_same_v<KV, int8_t>) {
+          alignas(32) float key_scale[8];
+          for (int t = 0; t < 8; ++t) key_scale[t] = head_scale(key_slots[j0 + t] + g * head_width, d);
+          ks = _mm256_mul_ps(_mm256_load_ps(key_scale), _mm256_set1_ps(scale));
+        }
         for (int64_t r = it.row; r < it.row + it.rows; ++r) {
           const int64_t m = std::min<int64_t>(8, len[r] - lo - j0);
           if (m <= 0) continue;
           float* tops = part_max + (first[r] + it.split) * heads;
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const __m256 s8 = score8(q + (r * heads + h) * d, block, stride, d, scale);
+            const __m256 s8 = _mm256_mul_ps(dot8(q + (r * heads + h) * d, block, stride, d), ks);
             float* p = scores + ((r - it.row) * heads + h) * split_keys + j0;
             if (m == 8) {
               _mm256_storeu_ps(p, s8);
@@ -219,6 +263,11 @@ struct Split {
   template <int DV>
   void run_avx512(const Work& it, int64_t n_all, const KV* const* key_slots, const KV* const* value_slots,
                   float* scores, float* widened) const;
+  void keep16(const Work& it, int64_t r, int64_t h, int64_t j0, __m512 dots, __m512 ks, float* scores) const;
+  template <int DV>
+  void score16(const Work& it, int64_t j0, int64_t g, const float* widened, __m512 ks, float* scores) const;
+  void score16_vnni(const Work& it, int64_t j0, int64_t g, const int8_t* const* keys, __m512 ks, float* scores,
+                    int8_t* transposed) const;
 };
 
 #define SPECSERVE_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -288,16 +337,109 @@ SPECSERVE_AVX512 inline __m512 sum16x16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xdd));
 }
 
-// The AVX-512 path, for head_dim 16 DV: 16 keys at a time in slot order, each KV head's keys widened once into a
-// buffer for the group's rows and query heads, each score one chain of DV FMAs, 16 of them summed by one transposing
-// tree, times the key's scale; the K and V lines AHEAD keys on are requested meanwhile. Then the values weighed for
-// up to 24 / DV query heads of a KV head at once, in key order. A key's score and a head's weighted values take the
-// same operations whatever rows share the pass and wherever the key falls.
+// Row r's head h against the 16 keys from j0: its dot products times each key's scale (the softmax's, times an int8
+// key's) and an int8 query's scale, the same bits on every path; stored but for lanes past the row's last key, and
+// the split's max raised.
+template <typename KV>
+SPECSERVE_AVX512 inline void Split<KV>::keep16(const Work& it, int64_t r, int64_t h, int64_t j0, __m512 dots,
+                                               __m512 ks, float* scores) const {
+  const int64_t m = std::min<int64_t>(16, len[r] - it.split * SPLIT - j0);
+  const __m512 s = _mm512_mul_ps(dots, ks);
+  const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+  _mm512_mask_storeu_ps(scores + ((r - it.row) * heads + h) * split_keys + j0, valid, s);
+  float& top = part_max[(first[r] + it.split) * heads + h];
+  top = std::max(top, _mm512_mask_reduce_max_ps(valid, s));
+}
+
+// The group's rows' scores for KV head g against the 16 keys from j0, widened to float32 in `widened`: each score one
+// chain of DV FMAs, 16 of them summed by one transposing tree.
+template <typename KV>
+template <int DV>
+SPECSERVE_AVX512 void Split<KV>::score16(const Work& it, int64_t j0, int64_t g, const float* widened, __m512 ks,
+                                         float* scores) const {
+  for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+    if (len[r] - it.split * SPLIT - j0 <= 0) continue;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const float* qh = q + (r * heads + h) * d;
+      __m512 qv[DV], acc[16];
+      for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(widened + t * DV * 16));
+        for (int i = 1; i < DV; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(widened + (t * DV + i) * 16), acc[t]);
+      }
+      keep16(it, r, h, j0, sum16x16(acc), ks, scores);
+    }
+  }
+}
+
+// The 16 keys' 64 bytes from `offset` as 16 vectors of their 32-bit words, k + 128 (dpbusd's unsigned operand):
+// out[i] lane t = word i of key t.
+SPECSERVE_VNNI inline void transpose16(const int8_t* const* keys, int64_t offset, __m512i out[16]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i a[16], b[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_xor_si512(_mm512_loadu_si512(keys[t] + offset), flip);
+  for (int k = 0; k < 8; ++k) {        // b[2k] quarter L: words 4L, 4L + 1 of keys 2k, 2k + 1; b[2k + 1]: 4L + 2, 4L + 3
+    b[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    b[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  for (int G = 0; G < 4; ++G) {        // a[4G + c] quarter L: word 4L + c of keys 4G .. 4G + 3
+    a[4 * G] = _mm512_unpacklo_epi64(b[4 * G], b[4 * G + 2]);
+    a[4 * G + 1] = _mm512_unpackhi_epi64(b[4 * G], b[4 * G + 2]);
+    a[4 * G + 2] = _mm512_unpacklo_epi64(b[4 * G + 1], b[4 * G + 3]);
+    a[4 * G + 3] = _mm512_unpackhi_epi64(b[4 * G + 1], b[4 * G + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {        // out[4L + c] quarter G = a[4G + c] quarter L
+    const __m512i x0 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xee);
+    const __m512i x2 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xee);
+    out[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xdd);
+    out[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xdd);
+  }
+}
+
+// score16 for an int8 pool by VNNI: the 16 keys' bytes transposed once into `transposed` (16 x head_dim bytes), then
+// for each query block of 16 values one chain of 4 dpbusd against its words broadcast (an exact integer dot
+// product), times the block's scale, the blocks summed in order.
+template <typename KV>
+SPECSERVE_VNNI void Split<KV>::score16_vnni(const Work& it, int64_t j0, int64_t g, const int8_t* const* keys,
+                                            __m512 ks, float* scores, int8_t* transposed) const {
+  const int64_t words = d / 4;
+  __m512i kt[16];
+  for (int64_t c = 0; c < d / 64; ++c) {
+    transpose16(keys, g * head_width + 64 * c, kt);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(transposed + (16 * c + i) * 64, kt[i]);
+  }
+  for (int64_t r = it.row; r < it.row + it.rows; ++r) {
+    if (len[r] - it.split * SPLIT - j0 <= 0) continue;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const int32_t* qw = reinterpret_cast<const int32_t*>(query_int8 + (r * heads + h) * d);
+      const float* block_scale = query_scale + (r * heads + h) * (d / 16);
+      const int32_t* block_sum = query_sum + (r * heads + h) * (d / 16);
+      __m512 dots = _mm512_setzero_ps();
+      for (int64_t b = 0; b < d / 16; ++b) {      // a block's 4 words, one chain
+        __m512i acc = _mm512_set1_epi32(-128 * block_sum[b]);
+        for (int64_t w = 4 * b; w < 4 * b + 4; ++w)
+          acc = dpbusd(acc, _mm512_loadu_si512(transposed + w * 64), _mm512_set1_epi32(qw[w]));
+        dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(block_scale[b]), dots);
+      }
+      keep16(it, r, h, j0, dots, ks, scores);
+    }
+  }
+}
+
+// The AVX-512 path, for head_dim 16 DV: 16 keys at a time in slot order, for each KV head scored by score16 (keys
+// widened once for the group's rows and query heads) or, for an int8 pool on a CPU with VNNI, score16_vnni; the K
+// and V lines AHEAD keys on are requested meanwhile. Then the values weighed for up to 24 / DV query heads of a KV
+// head at once, in key order. A key's score and a head's weighted values take the same operations whatever rows
+// share the pass and wherever the key falls.
 template <typename KV>
 template <int DV>
 SPECSERVE_AVX512 void Split<KV>::run_avx512(const Work& it, int64_t n_all, const KV* const* key_slots,
                                             const KV* const* value_slots, float* scores, float* widened) const {
   const int64_t lo = it.split * SPLIT, slot_bytes = slot_size * static_cast<int64_t>(sizeof(KV));
+  const bool by_vnni = std::is_same_v<KV, int8_t> && vnni;
   const __m512 fscale = _mm512_set1_ps(scale);
   float key_scale[16];
   for (int64_t j0 = 0; j0 < n_all; j0 += 16) {
@@ -309,27 +451,17 @@ SPECSERVE_AVX512 void Split<KV>::run_avx512(const Work& it, int64_t n_all, const
         }
         const KV* k = key_slots[j0 + t] + g * head_width;
         key_scale[t] = head_scale(k, d);
-        for (int i = 0; i < DV; ++i) _mm512_storeu_ps(widened + (t * DV + i) * 16, load16(k + 16 * i));
+        if (!by_vnni)
+          for (int i = 0; i < DV; ++i) _mm512_storeu_ps(widened + (t * DV + i) * 16, load16(k + 16 * i));
       }
       const __m512 ks = _mm512_mul_ps(_mm512_loadu_ps(key_scale), fscale);
-      for (int64_t r = it.row; r < it.row + it.rows; ++r) {
-        const int64_t m = std::min<int64_t>(16, len[r] - lo - j0);
-        if (m <= 0) continue;
-        const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
-        float* tops = part_max + (first[r] + it.split) * heads;
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const float* qh = q + (r * heads + h) * d;
-          __m512 qv[DV], acc[16];
-          for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
-          for (int t = 0; t < 16; ++t) {
-            acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(widened + t * DV * 16));
-            for (int i = 1; i < DV; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(widened + (t * DV + i) * 16), acc[t]);
-          }
-          const __m512 s = _mm512_mul_ps(sum16x16(acc), ks);
-          _mm512_mask_storeu_ps(scores + ((r - it.row) * heads + h) * split_keys + j0, valid, s);
-          tops[h] = std::max(tops[h], _mm512_mask_reduce_max_ps(valid, s));
+      if constexpr (std::is_same_v<KV, int8_t>) {
+        if (by_vnni) {
+          score16_vnni(it, j0, g, key_slots + j0, ks, scores, reinterpret_cast<int8_t*>(widened));
+          continue;
         }
       }
+      score16<DV>(it, j0, g, widened, ks, scores);
     }
   }
   constexpr int64_t CHUNK = 24 / DV;     // query heads weighed together: their accumulators fit in the registers
@@ -399,9 +531,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   // per part and head: the split's max score, sum of exponentials and weighted values
   std::vector<float> part_max(parts * heads), part_sum(parts * heads), part_acc(parts * heads * d);
 
-  const Split<KV> ctx{qp, len, heads, kv_heads, group, d, head_width, slot_size, split_keys, fscale, first.data(),
-                      part_max.data(), part_sum.data(), part_acc.data()};
-  static const bool avx512 = cpu_has_avx512();
+  static const bool avx512 = cpu_has_avx512(), vnni = cpu_has_vnni();
+  std::optional<Queries> int8_queries;
+  if constexpr (std::is_same_v<KV, int8_t>) int8_queries.emplace(qp, rows * heads, d);
+  const Split<KV> ctx{int8_queries ? int8_queries->dequantized.data() : qp, len, heads, kv_heads, group, d,
+                      head_width, slot_size, split_keys, fscale, first.data(), part_max.data(), part_sum.data(),
+                      part_acc.data(), vnni, int8_queries ? int8_queries->values.data() : nullptr,
+                      int8_queries ? int8_queries->scale.data() : nullptr,
+                      int8_queries ? int8_queries->sum.data() : nullptr};
   const int64_t lanes16 = avx512 && d % 16 == 0 ? d / 16 : 0;     // the AVX-512 path's head_dim / 16, if it takes it
   std::atomic<int32_t> seen_sink{0};     // what `touch` read, kept so that its reads are not optimised away
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -487,13 +624,9 @@ inline void store(const float* x, int64_t n, KV* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KV>(x[i]);
 }
 
-// One KV head's d values into an int8 pool (ops.quantize_kv): rounded to the nearest of 255 levels over its
-// largest magnitude, then that scale's 4 bytes.
+// One KV head's d values into an int8 pool (ops.quantize_kv): quantize_head's integers, then its scale's 4 bytes.
 inline void store_int8(const float* x, int64_t d, int8_t* dst) {
-  float peak = 0.0f;
-  for (int64_t i = 0; i < d; ++i) peak = std::max(peak, std::fabs(x[i]));
-  const float inv = peak > 1e-30f ? 127.0f / peak : 0.0f, scale = peak > 1e-30f ? peak / 127.0f : 0.0f;
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f));
+  const float scale = quantize_head(x, d, dst);
   std::memcpy(dst + d, &scale, sizeof scale);
 }
 
