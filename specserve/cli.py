@@ -138,6 +138,8 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row count (the best is kept)")
     parser.add_argument("--context", type=int, default=128, help="tokens cached per sequence")
     parser.add_argument("--window", type=int, default=4, help="verify rows per sequence")
+    parser.add_argument("--long-context", type=int, default=2048,
+                        help="tokens cached for the per-key attention terms (at most --context: none)")
     parser.add_argument("--out", default=None,
                         help="output JSON (default: profiles/ in $SPECSERVE_CACHE or ~/.cache/specserve)")
 
@@ -152,12 +154,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     engine = LLM(args.model_path, dtype=args.dtype, num_threads=args.num_threads, page_size=args.page_size,
                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, num_pages=1).engine
     table = measure_cost_table(engine.model, args.page_size, rows=args.rows, repeats=args.repeats,
-                               context=args.context, window=args.window, kv_dtype=engine.pool.geometry.dtype)
+                               context=args.context, window=args.window, kv_dtype=engine.pool.geometry.dtype,
+                               long_context=args.long_context)
     out = Path(args.out) if args.out else default_cost_table_path(model_key(args.model_path), numerics(engine.model))
     table.save(out)
     print(f"{table.model} {table.dtype}, {table.threads} threads, {table.cpu}")
     for rows, seconds in zip(table.rows, table.seconds):
         print(f"{rows:5d} rows {seconds * 1e3:9.2f} ms {seconds / table.seconds[0]:6.2f}x")
+    first, extra = table.first_row_time(table.context + 1000), table.extra_row_time(table.context + 1000)
+    print(f"per 1,000 cached keys past {table.context}: a sequence's first row +{first * 1e3:.3f} ms, "
+          f"each further row +{extra * 1e3:.3f} ms")
     print(f"saved {out}")
     return 0
 

@@ -35,6 +35,18 @@ def test_context_is_capped_by_the_model_length(tiny_model):
     assert table.rows == (1, 3)
 
 
+def test_per_key_terms_come_from_a_long_context(tiny_model):
+    table = cost_table.measure_cost_table(tiny_model, 16, rows=[1, 4], repeats=1, context=16, window=4,
+                                          long_context=256, progress=False)
+    assert table.context == 16
+    assert table.first_row_key_seconds >= 0 and table.extra_row_key_seconds >= 0
+    assert table.first_row_key_seconds + table.extra_row_key_seconds > 0     # 240 more keys cost something
+    assert table.first_row_time(16) == table.extra_row_time(10) == 0.0
+    flat = cost_table.measure_cost_table(tiny_model, 16, rows=[1, 4], repeats=1, context=64, long_context=64,
+                                         progress=False)
+    assert flat.first_row_key_seconds == flat.extra_row_key_seconds == 0.0
+
+
 def test_bad_arguments_are_rejected(tiny_model):
     with pytest.raises(ValueError, match="row counts >= 1"):
         cost_table.measure_cost_table(tiny_model, 16, rows=[0, 4], progress=False)
@@ -145,8 +157,27 @@ def test_invalid_tables_say_what_is_wrong(rows, seconds, message):
         CostTable(rows, seconds)
 
 
+def test_key_terms_price_keys_past_the_context():
+    cost = CostTable((1, 2), (1.0, 1.25), context=100, first_row_key_seconds=2e-3, extra_row_key_seconds=5e-4)
+    assert cost.first_row_time(100) == cost.extra_row_time(50) == 0.0
+    assert cost.first_row_time(1100) == pytest.approx(2.0)
+    assert cost.extra_row_time(1100) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="extra_row_key_seconds must be finite and >= 0"):
+        CostTable((1, 2), (1.0, 1.25), extra_row_key_seconds=-1.0)
+    with pytest.raises(ValueError, match="context must be an integer >= 0"):
+        CostTable((1, 2), (1.0, 1.25), context=-5)
+
+
+def test_tables_saved_before_the_key_terms_still_load(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"rows": [1, 2], "seconds": [0.1, 0.2], "model": "m", "dtype": "float32"}))
+    cost = CostTable.load(path)
+    assert (cost.context, cost.first_row_key_seconds, cost.extra_row_key_seconds) == (0, 0.0, 0.0)
+
+
 def test_save_load_round_trip(tmp_path):
-    cost = CostTable((1, 8, 32), (0.04, 0.07, 0.16), model="m", dtype="float32")
+    cost = CostTable((1, 8, 32), (0.04, 0.07, 0.16), model="m", dtype="float32", context=128,
+                     first_row_key_seconds=1e-6, extra_row_key_seconds=3e-7)
     path = tmp_path / "sub" / "cost.json"
     cost.save(path)
     assert CostTable.load(path) == cost

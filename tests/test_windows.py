@@ -71,6 +71,35 @@ def test_bad_base_rows_are_rejected():
         plan_budget([[0.5]], LINEAR, base_rows=[0])
 
 
+# FLAT, but each further row of a sequence costs a whole forward per 1,000 cached keys past 100
+KEYED = CostTable((1, 64), (0.01, 0.01), context=100, extra_row_key_seconds=1e-5)
+
+
+def test_rows_of_a_long_context_cost_their_attention():
+    assert plan_budget([[0.9, 0.5, 0.0]], KEYED, keys=[100]) == [2]      # within the table's context: free
+    # at 1,100 keys a row costs a forward: 1/0.01 beats 1.9/0.02 and 2.35/0.03
+    assert plan_budget([[0.9, 0.5, 0.0]], KEYED, keys=[1100]) == [0]
+    assert plan_budget([[0.99, 0.99, 0.99]], KEYED, keys=[200]) == [3]    # a tenth of a forward each pays
+
+
+def test_rows_go_to_the_request_whose_rows_are_cheaper():
+    # equal survivals: the short context's row is free, the long one's costs five forwards
+    assert plan_budget([[0.9], [0.9]], KEYED, keys=[5100, 100]) == [0, 1]
+    assert plan_budget([[0.9], [0.9]], KEYED, keys=[100, 5100]) == [1, 0]
+
+
+def test_a_long_first_row_makes_further_rows_relatively_cheaper():
+    # LINEAR with a first row of 3 more forwards past the context: 1/4, 1.9/4.25, 2.62/4.5, 2.98/4.75, 3.16/5 (best)
+    cost = CostTable((1, 2), (1.0, 1.25), context=0, first_row_key_seconds=3e-3)
+    assert plan_budget([[0.9, 0.8, 0.5, 0.5]], LINEAR) == [2]
+    assert plan_budget([[0.9, 0.8, 0.5, 0.5]], cost, keys=[1000]) == [4]
+
+
+def test_bad_keys_are_rejected():
+    with pytest.raises(ValueError, match="keys 1 entries for 2 requests"):
+        plan_budget([[0.5], [0.5]], KEYED, keys=[100])
+
+
 def test_windows_shrink_as_confidence_falls():
     cost = CostTable((1, 8, 16), (0.040, 0.060, 0.100))
     windows = [plan_budget([[c] * 8], cost)[0] for c in (0.99, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2, 0.05)]

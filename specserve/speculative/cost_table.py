@@ -1,7 +1,8 @@
 """The target's cost table: seconds per forward against the step's total rows, measured on this machine,
-for DSPARK's budget planner (windows.py). `specserve profile` measures and saves one per model, numerics
-(dtype and quantization) and thread count; an engine whose planner needs one uses the saved table, or
-measures a small one at start."""
+for DSPARK's budget planner (windows.py), and what attention adds per cached key past the table's context (a
+sequence's first row reads its keys from memory; each further row of its window scores and weighs them again).
+`specserve profile` measures and saves one per model, numerics (dtype and quantization) and thread count; an
+engine whose planner needs one uses the saved table, or measures a small one at start."""
 from __future__ import annotations
 
 import hashlib
@@ -51,14 +52,19 @@ def cpu_name() -> str:
 
 @dataclass(frozen=True)
 class CostTable:
-    """Seconds per target forward against the step's total rows, measured on one machine.
-    Between points time is interpolated linearly, beyond the last two extrapolated linearly."""
+    """Seconds per target forward against the step's total rows, measured on one machine with `context` keys
+    cached per sequence. Between points time is interpolated linearly, beyond the last two extrapolated
+    linearly. A sequence with more keys costs `first_row_key_seconds` per key past `context` for its first row
+    and `extra_row_key_seconds` per such key for each further row (0 in tables measured without them)."""
     rows: tuple[int, ...]          # strictly increasing, >= 1
     seconds: tuple[float, ...]     # one per row count, > 0, non-decreasing
     model: str = ""
     dtype: str = ""
     cpu: str = field(default_factory=cpu_name)
     threads: int = field(default_factory=torch.get_num_threads)
+    context: int = 0
+    first_row_key_seconds: float = 0.0
+    extra_row_key_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rows", tuple(self.rows))
@@ -77,6 +83,13 @@ class CostTable:
         if any(b < a for a, b in zip(seconds, seconds[1:])):
             raise ValueError(f"cost table timings must not fall as rows grow, got {list(seconds)}; "
                              "build measured tables with CostTable.measured")
+        if not (isinstance(self.context, int) and self.context >= 0):
+            raise ValueError(f"cost table context must be an integer >= 0 keys, got {self.context!r}")
+        for name in ("first_row_key_seconds", "extra_row_key_seconds"):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"cost table {name} must be finite and >= 0, got {value!r}")
+            object.__setattr__(self, name, value)
 
     @staticmethod
     def measured(rows: Sequence[int], seconds: Sequence[float], **info) -> CostTable:
@@ -100,6 +113,14 @@ class CostTable:
         x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
+    def first_row_time(self, keys: int) -> float:
+        """What a sequence's first row adds to `time` when it attends `keys` cached keys."""
+        return self.first_row_key_seconds * max(0, keys - self.context)
+
+    def extra_row_time(self, keys: int) -> float:
+        """What each further row of that sequence adds to `time`."""
+        return self.extra_row_key_seconds * max(0, keys - self.context)
+
     def matches(self, model: str, dtype: str) -> bool:
         """Whether this table was measured for this model and dtype on this machine and thread count."""
         return (self.model, self.dtype, self.cpu, self.threads) == (model, dtype, cpu_name(), torch.get_num_threads())
@@ -118,7 +139,10 @@ class CostTable:
         try:
             data = json.loads(text)
             return CostTable(rows=data["rows"], seconds=data["seconds"], model=data.get("model", ""),
-                             dtype=data.get("dtype", ""), cpu=data.get("cpu", ""), threads=data.get("threads", 0))
+                             dtype=data.get("dtype", ""), cpu=data.get("cpu", ""), threads=data.get("threads", 0),
+                             context=data.get("context", 0),
+                             first_row_key_seconds=data.get("first_row_key_seconds", 0.0),
+                             extra_row_key_seconds=data.get("extra_row_key_seconds", 0.0))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path} is not a valid cost table ({exc!r}); delete it or run "
                              "`specserve profile`") from exc
@@ -164,31 +188,41 @@ def split_rows(rows: int, window: int) -> list[int]:
 @torch.inference_mode()
 def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[int] = DEFAULT_ROWS,
                        repeats: int = 3, context: int = 128, window: int = 4, progress: bool = True,
-                       kv_dtype: torch.dtype | None = None) -> CostTable:
+                       kv_dtype: torch.dtype | None = None, long_context: int = 2048) -> CostTable:
     """Best-of-`repeats` seconds of one target step (attention metadata, forward, logits of every row)
     per total row count. The rows are verify windows of up to `window` tokens over sequences that
-    have `context` tokens cached each, in a scratch KV pool."""
+    have `context` tokens cached each, in a scratch KV pool. One sequence's 1-row and `window`-row steps,
+    at `context` and at `long_context` keys, give the per-key terms (none when long_context <= context)."""
     rows = sorted(set(rows))
     if not rows or rows[0] < 1 or repeats < 1 or window < 1 or context < 0:
         raise ValueError(f"profile needs row counts >= 1, repeats >= 1, window >= 1 and context >= 0; got "
                          f"rows={rows}, repeats={repeats}, window={window}, context={context}")
     config = model.config
     context = min(context, config.max_position_embeddings - window)
+    long_context = min(long_context, config.max_position_embeddings - window)
+    with_keys = long_context > context and window > 1
     pages_per_seq = math.ceil((context + window) / pool_page_size)
+    long_pages = math.ceil((long_context + window) / pool_page_size) if with_keys else 0
     max_seqs = math.ceil(rows[-1] / window)
-    pool = KVPool(model.kv_geometry(kv_dtype or model.dtype), max_seqs * pages_per_seq, pool_page_size)
+    pool = KVPool(model.kv_geometry(kv_dtype or model.dtype), max_seqs * pages_per_seq + long_pages, pool_page_size)
     generator = torch.Generator().manual_seed(0)
-    steps = []
-    for total in rows:
-        sizes = split_rows(total, window)
-        spans = [SeqSpan(list(range(s * pages_per_seq, (s + 1) * pages_per_seq)), context, n)
+
+    def step(sizes: list[int], keys: int, first_page: int = 0) -> tuple[list[SeqSpan], torch.Tensor, torch.Tensor]:
+        per_seq = math.ceil((keys + window) / pool_page_size)
+        spans = [SeqSpan(list(range(first_page + s * per_seq, first_page + (s + 1) * per_seq)), keys, n)
                  for s, n in enumerate(sizes)]
-        positions = torch.cat([torch.arange(context, context + n) for n in sizes])
-        steps.append((spans, torch.randint(config.vocab_size, (total,), generator=generator), positions))
+        positions = torch.cat([torch.arange(keys, keys + n) for n in sizes])
+        return spans, torch.randint(config.vocab_size, (sum(sizes),), generator=generator), positions
+
+    steps = [step(split_rows(total, window), context) for total in rows]
+    if with_keys:    # one sequence: 1 and `window` rows at `context` keys, then at `long_context` keys
+        long_at = max_seqs * pages_per_seq
+        steps += [step([1], context), step([window], context),
+                  step([1], long_context, long_at), step([window], long_context, long_at)]
     # Rounds over all sizes, not repeats of one size in a row: a burst of load from other processes
     # then spoils one run of several sizes instead of every run of one. Round 0 only warms up.
-    best = [math.inf] * len(rows)
-    with tqdm(total=(repeats + 1) * len(rows), desc="profile", unit="fwd", disable=not progress) as bar:
+    best = [math.inf] * len(steps)
+    with tqdm(total=(repeats + 1) * len(steps), desc="profile", unit="fwd", disable=not progress) as bar:
         for round_ in range(repeats + 1):
             for j, (spans, tokens, positions) in enumerate(steps):
                 start = time.perf_counter()
@@ -198,7 +232,13 @@ def measure_cost_table(model: LlamaModel, pool_page_size: int, rows: Sequence[in
                 if round_:
                     best[j] = min(best[j], time.perf_counter() - start)
                 bar.update()
-    return CostTable.measured(rows, best, model=config.name, dtype=numerics(model))
+    first_key = extra_key = 0.0
+    if with_keys:
+        one, full, one_long, full_long = best[len(rows):]
+        first_key = max(0.0, one_long - one) / (long_context - context)
+        extra_key = max(0.0, (full_long - full) - (one_long - one)) / ((window - 1) * (long_context - context))
+    return CostTable.measured(rows, best[:len(rows)], model=config.name, dtype=numerics(model), context=context,
+                              first_row_key_seconds=first_key, extra_row_key_seconds=extra_key)
 
 
 def saved_cost_table_path(target: TargetInfo) -> Path | None:
@@ -225,6 +265,9 @@ def resolve_cost_table(spec: SpecConfig, target: TargetInfo) -> CostTable:
     start = time.perf_counter()
     table = measure_cost_table(target.model, target.page_size, rows=STARTUP_ROWS, repeats=STARTUP_REPEATS,
                                progress=False, kv_dtype=target.kv_dtype)
-    log.info("measured the target's cost table in %.1f s (rows %s: %s ms); save one with `specserve profile`",
-             time.perf_counter() - start, list(table.rows), [round(s * 1e3, 2) for s in table.seconds])
+    log.info("measured the target's cost table in %.1f s (rows %s: %s ms; per 1,000 keys past %d: first row "
+             "+%.2f ms, each further row +%.2f ms); save one with `specserve profile`",
+             time.perf_counter() - start, list(table.rows), [round(s * 1e3, 2) for s in table.seconds],
+             table.context, table.first_row_time(table.context + 1000) * 1e3,
+             table.extra_row_time(table.context + 1000) * 1e3)
     return table

@@ -4,7 +4,8 @@ or DSPARK's budget planner, which also decides which requests run the block at a
 Survival S_{i,k} = prod_{j<=k} c_{i,j} is the chance that request i's first k drafts are all
 accepted. Verifying m extra rows yields τ(m) = N + (sum of the top-m survivals) tokens in expected
 value, at the price of one target forward over all rows of the step; `plan_budget` picks the m that
-maximises τ(m) / time(rows) from a measured `CostTable`. `plan_threshold` is the simple alternative.
+maximises τ(m) / time(rows) from a measured `CostTable`, each row priced by its request's context too.
+`plan_threshold` is the simple alternative.
 
 The planner also skips the block for a request whose mean confidences so far would buy no verify row
 at this step's cost (at large batch, where extra rows cost as much as they win, the block would only be
@@ -19,7 +20,7 @@ import torch
 
 from specserve.speculative import DraftJob
 from specserve.speculative.cost_table import CostTable
-from specserve.types import Request, StepPlan
+from specserve.types import Request, ScheduledRequest, StepPlan
 
 
 class Candidate(NamedTuple):
@@ -218,8 +219,13 @@ class BudgetPlanner:
         fed = sum(s.num_feed for s in plan.scheduled)
         gain = sum(sum(survivals(forecast[j.index])[:window_of[j.index]]) for j in may)
         must_slots = sum(j.num_drafts for j in must)
-        without = emitting / (self.cost.time(fed) + self.block_time(must_slots))
+        attention = sum(self.cost.first_row_time(cached_keys(s)) + (s.num_feed - 1) * self.cost.extra_row_time(
+            cached_keys(s)) for s in plan.scheduled if s.samples)
+        may_attention = sum(window_of[j.index] * self.cost.extra_row_time(cached_keys(plan.scheduled[j.index]))
+                            for j in may)
+        without = emitting / (self.cost.time(fed) + attention + self.block_time(must_slots))
         with_may = (emitting + gain) / (self.cost.time(fed + sum(window_of[j.index] for j in may))
+                                        + attention + may_attention
                                         + self.block_time(must_slots + sum(j.num_drafts for j in may)))
         return with_may > without
 
@@ -230,8 +236,14 @@ class BudgetPlanner:
         sampling_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
         windows = plan_budget([confidences.get(i, []) for i in sampling_idx], self.cost,
                               [plan.scheduled[i].num_feed for i in sampling_idx],
-                              sum(s.num_feed for s in plan.scheduled if not s.samples))
+                              sum(s.num_feed for s in plan.scheduled if not s.samples),
+                              [cached_keys(plan.scheduled[i]) for i in sampling_idx])
         return dict(zip(sampling_idx, windows))
+
+
+def cached_keys(sched: ScheduledRequest) -> int:
+    """About how many keys each row of a request's step attends: its context up to the fed tokens."""
+    return sched.start + sched.num_feed
 
 
 def survivals(confidences: list[float]) -> list[float]:
@@ -245,35 +257,44 @@ def survivals(confidences: list[float]) -> list[float]:
     return out
 
 
-def pick_order(confidences: list[list[float]]) -> list[tuple[float, int, int]]:
-    """Every draft as (survival, k, request), best first. Ties go to the smaller k, so with
+def pick_order(confidences: list[list[float]], row_seconds: list[float] | None = None) -> list[tuple[float, int, int]]:
+    """Every draft as (survival, k, request), best first: by survival per second of its row when
+    `row_seconds[i]` prices request i's rows, else by survival. Ties go to the smaller k, so with
     survivals non-increasing along k the top m of this order is a prefix of each request's drafts."""
+    price = [1.0] * len(confidences) if row_seconds is None else [max(t, 1e-12) for t in row_seconds]
     ranked = [(s, k, i) for i, conf in enumerate(confidences) for k, s in enumerate(survivals(conf), 1)]
-    ranked.sort(key=lambda t: (-t[0], t[1], t[2]))
+    ranked.sort(key=lambda t: (-t[0] / price[t[2]], t[1], t[2]))
     return ranked
 
 
 def plan_budget(confidences: list[list[float]], cost: CostTable, base_rows: list[int] | None = None,
-                other_rows: int = 0) -> list[int]:
+                other_rows: int = 0, keys: list[int] | None = None) -> list[int]:
     """Drafts to verify per request, maximising expected tokens per second of the step.
 
     `confidences[i]` holds request i's per-draft confidences; each request always feeds its
     `base_rows[i]` rows (1: the anchor; a prefill chunk that ends in sampling: the chunk) and
     emits at least one token. `other_rows` are rows of the same forward that emit nothing
-    (prefill chunks that do not sample yet): they cost time but add no tokens."""
+    (prefill chunks that do not sample yet): they cost time but add no tokens. Request i's rows
+    attend `keys[i]` cached keys (default: the table's context), which the table prices per row."""
     n = len(confidences)
     base = [1] * n if base_rows is None else list(base_rows)
-    if len(base) != n:
-        raise ValueError(f"base_rows has {len(base)} entries for {n} requests")
+    keys = [0] * n if keys is None else list(keys)
+    if len(base) != n or len(keys) != n:
+        raise ValueError(f"base_rows has {len(base)} and keys {len(keys)} entries for {n} requests")
     if any(b < 1 for b in base) or other_rows < 0:
         raise ValueError(f"base rows must be >= 1 per request and other rows >= 0, got {base} and {other_rows}")
-    ranked = pick_order(confidences)
     fixed_rows = sum(base) + other_rows
+    row_attention = [cost.extra_row_time(k) for k in keys]     # seconds each further row of request i adds
+    drafts = sum(len(c) for c in confidences)
+    table_row = (cost.time(fixed_rows + drafts) - cost.time(fixed_rows)) / max(drafts, 1)   # a row's mean share
+    ranked = pick_order(confidences, [table_row + a for a in row_attention])
+    attention = sum(cost.first_row_time(k) + (b - 1) * row_attention[i] for i, (k, b) in enumerate(zip(keys, base)))
     expected = float(n)
-    best_m, best_rate = 0, expected / cost.time(fixed_rows)
-    for m, (s, _, _) in enumerate(ranked, 1):
+    best_m, best_rate = 0, expected / (cost.time(fixed_rows) + attention)
+    for m, (s, _, i) in enumerate(ranked, 1):
         expected += s
-        rate = expected / cost.time(fixed_rows + m)
+        attention += row_attention[i]
+        rate = expected / (cost.time(fixed_rows + m) + attention)
         if rate > best_rate:     # strict: on a tie the fewer rows win
             best_m, best_rate = m, rate
     windows = [0] * n
