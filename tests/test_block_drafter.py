@@ -21,7 +21,7 @@ from specserve.models.block_drafter import (
     weight_shapes,
 )
 from specserve.models.layers import Rope, rms_norm
-from specserve.native.ops import apply_rope
+from specserve.native.ops import apply_rope, dequantize_kv
 from specserve.quantization import Int8Linear
 from specserve.types import Proposal, SamplingParams, StepPlan
 from tests.spec_harness import make_engine, record_proposals, run
@@ -117,6 +117,36 @@ def test_an_int8_target_quantizes_fc_only_over_normalised_target_layers(tiny_lla
     want = context_vectors(ckpt.config, aux, lambda t: t @ ckpt.weights["fc.weight"].T,
                            ckpt.weights["hidden_norm.weight"])
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
+def test_the_native_context_write_is_the_python_one(tiny_llama, kv_dtype):
+    """With an int8 target and context_norm, the context is written by one native op (native/context.cpp): the
+    same context vectors and pool contents as the torch ops it replaces, at the slots asked for and nowhere else."""
+    int8_target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32, quantization="int8")
+    ckpt = random_block_drafter(tiny_llama.config, "DSPARK", num_layers=2, context_norm=True, anchor_feature=True)
+    drafter = BlockDrafter(ckpt, int8_target)
+    assert drafter.native_context
+    layers = len(ckpt.config.target_layer_ids)
+    scales = torch.logspace(0, 1.3, layers)[:, None]
+    aux = torch.randn(5, layers, ckpt.config.target_hidden_size, generator=torch.Generator().manual_seed(3))
+    aux = (aux * scales).flatten(1)
+    positions, slots = torch.tensor([7, 8, 9, 30, 31]), torch.tensor([2, 3, 4, 13, 9])
+    geometry = dataclasses.replace(drafter.kv_geometry, dtype=kv_dtype)
+    pools = {}
+    for native in (True, False):
+        pools[native] = pool = KVPool(geometry, 4, 4)
+        pool.fill_pages(list(range(4)), 0.0)
+        drafter.native_context = native
+        pools[native, "context"] = drafter.write_context(aux, positions, slots, pool)
+    torch.testing.assert_close(pools[True, "context"], pools[False, "context"], rtol=1e-5, atol=1e-5)
+    for got, want in ((pools[True].k, pools[False].k), (pools[True].v, pools[False].v)):
+        if kv_dtype == torch.int8:       # a value on a rounding boundary may land one level apart
+            got, want = dequantize_kv(got), dequantize_kv(want)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+        untouched = torch.ones(got.shape[1], dtype=torch.bool)
+        untouched[slots] = False
+        assert not got[:, untouched].any() and got[:, slots].abs().sum() > 0
 
 
 @pytest.mark.parametrize("anchor_slot", [False, True])

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve import native
 from specserve.attention.sdpa import AttentionMetadata
 from specserve.config import ModelConfig
 from specserve.kv_pages import KVGeometry, KVPool
@@ -41,6 +42,7 @@ from specserve.models.drafter_checkpoint import (
 from specserve.models.layers import Rope, make_linear, rms_norm
 from specserve.models.llama import LlamaModel
 from specserve.native.ops import apply_rope
+from specserve.quantization import Int8Linear
 
 ARCHITECTURE = "BlockDrafter"
 
@@ -228,6 +230,10 @@ class BlockDrafter:
                                                   w[f"model.layers.{i}.self_attn.v_proj.weight"]]),
                                        quantization=quantization)
                            for i in range(c.num_hidden_layers)]
+        # the whole write as one native op (native/context.cpp) where it has a kernel for each step
+        self.native_context = (dtype == torch.float32 and c.context_norm and not c.qk_norm
+                               and all(isinstance(lin, Int8Linear) for lin in [self.fc, *self.context_kv])
+                               and native.register())
         self.markov = c.algorithm == "DSPARK"             # with the Markov and confidence heads
         if self.markov:
             w1 = w["markov.w1.weight"]
@@ -248,6 +254,11 @@ class BlockDrafter:
         """aux: [n, len(target_layer_ids) * target hidden] of committed tokens; positions, slots: [n]
         → their context vectors [n, hidden] (a block reads the one before its anchor with anchor_feature)."""
         c = self.config
+        if self.native_context and pool.k.dtype in (torch.float32, torch.float16, torch.int8):
+            return torch.ops.specserve.draft_context(
+                aux, len(c.target_layer_ids), c.rms_norm_eps, self.fc.weight, self.fc.scale, self.hidden_norm,
+                [lin.weight for lin in self.context_kv], [lin.scale for lin in self.context_kv], self.model.rope.cos,
+                self.model.rope.sin, positions, pool.k, pool.v, slots)
         ctx = context_vectors(c, aux, self.fc, self.hidden_norm)
         cos, sin = self.model.rope.tables(positions)
         kv_size = c.num_key_value_heads * c.head_dim

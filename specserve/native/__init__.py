@@ -2,7 +2,8 @@
 K/V write before it (rows.cpp), the int8 linear (int8_linear.cpp), the rows' argmax of greedy sampling (argmax.cpp)
 and DSPARK's greedy Markov chain over the two (markov.cpp);
 their schemas and references are in ops.py. stack.cpp composes the first two into a whole decoder stack's forward,
-a class (`torch.classes.specserve.DecoderStack`) that exists only where they are compiled.
+a class (`torch.classes.specserve.DecoderStack`), and context.cpp into a block drafter's context write
+(`draft_context`): both exist only where the kernels are compiled, and their callers take the Python path elsewhere.
 
 They are compiled together for this machine on first use (gcc and ninja, explicit -mavx2 -mfma -mf16c rather than
 -march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path and the
@@ -26,7 +27,7 @@ from specserve.native import ops
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp", "markov.cpp", "stack.cpp")]
+           for name in ("rows.cpp", "int8_linear.cpp", "argmax.cpp", "markov.cpp", "stack.cpp", "context.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kernels.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]   # no FMA the source did not write
 

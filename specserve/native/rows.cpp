@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -630,6 +631,39 @@ inline void store_int8(const float* x, int64_t d, int8_t* dst) {
   std::memcpy(dst + d, &scale, sizeof scale);
 }
 
+// Checks a pool pair and returns (kv_heads, head_dim, head_width) for K/V rows of `width` values (K heads then V).
+std::tuple<int64_t, int64_t, int64_t> pool_geometry(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t width,
+                                                    const char* op) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(), op,
+              ": K and V pools must be contiguous and share a dtype");
+  const bool int8 = k_pool.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || k_pool.scalar_type() == at::kHalf || k_pool.scalar_type() == at::kFloat, op,
+              " takes float32, float16 or int8 pools");
+  const int64_t kv_heads = k_pool.size(1), d = width / (2 * kv_heads);
+  const int64_t head_width = d + (int8 ? SCALE_ELEMS<int8_t> : 0);
+  TORCH_CHECK(k_pool.size(2) == head_width && v_pool.size(2) == head_width, op,
+              ": a pool slot's KV head must hold head_dim values (int8: and 4 bytes of scale)");
+  return {kv_heads, d, head_width};
+}
+
+// One row's K heads (kv_heads * d values, rotated already) and V heads into the pools' slot, in the pool's dtype.
+void store_slot(const float* k, const float* v, int64_t slot, at::Tensor& k_pool, at::Tensor& v_pool,
+                int64_t kv_heads, int64_t d, int64_t head_width) {
+  const int64_t at = slot * kv_heads * head_width;
+  if (k_pool.scalar_type() == at::kChar) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      store_int8(k + h * d, d, k_pool.data_ptr<int8_t>() + at + h * head_width);
+      store_int8(v + h * d, d, v_pool.data_ptr<int8_t>() + at + h * head_width);
+    }
+  } else if (k_pool.scalar_type() == at::kHalf) {
+    store(k, kv_heads * d, k_pool.data_ptr<at::Half>() + at);
+    store(v, kv_heads * d, v_pool.data_ptr<at::Half>() + at);
+  } else {
+    store(k, kv_heads * d, k_pool.data_ptr<float>() + at);
+    store(v, kv_heads * d, v_pool.data_ptr<float>() + at);
+  }
+}
+
 }  // namespace
 
 // One layer's attention from its fused QKV projection, in one op: rotary on the Q and K heads, the new K/V written
@@ -642,24 +676,17 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
   const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "paged_attention_qkv takes float32 qkv, cos and sin");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "paged_attention_qkv: K and V pools must be contiguous and share a dtype");
-  const bool half = k_pool.scalar_type() == at::kHalf, int8 = k_pool.scalar_type() == at::kChar;
-  TORCH_CHECK(half || int8 || k_pool.scalar_type() == at::kFloat,
-              "paged_attention_qkv takes float32, float16 or int8 pools");
   const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), d = qkv.size(1) / (heads + 2 * kv_heads);
-  const int64_t head_width = d + (int8 ? SCALE_ELEMS<int8_t> : 0);
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && cos.numel() == rows * d && sin.numel() == rows * d &&
-              slot_mapping.numel() == rows, "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
-  TORCH_CHECK(k_pool.size(2) == head_width && v_pool.size(2) == head_width,
-              "paged_attention_qkv: a pool slot's KV head must hold head_dim values (int8: and 4 bytes of scale)");
+  const auto [_, kv_d, head_width] = pool_geometry(k_pool, v_pool, 2 * kv_heads * d, "paged_attention_qkv");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && kv_d == d && cos.numel() == rows * d &&
+              sin.numel() == rows * d && slot_mapping.numel() == rows,
+              "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
   at::Tensor q = at::empty({rows, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  const int64_t slot_size = kv_heads * head_width;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> k(kv_heads * d);
     for (int64_t r = begin; r < end; ++r) {
@@ -667,23 +694,34 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
       const float *c = cp + r * d, *s = sp + r * d;
       for (int64_t h = 0; h < heads; ++h) rotate(x + h * d, c, s, d, qp + (r * heads + h) * d);
       for (int64_t h = 0; h < kv_heads; ++h) rotate(x + (heads + h) * d, c, s, d, k.data() + h * d);
-      const float* v = x + (heads + kv_heads) * d;
-      const int64_t at = slots[r] * slot_size;
-      if (int8) {
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          store_int8(k.data() + h * d, d, k_pool.data_ptr<int8_t>() + at + h * head_width);
-          store_int8(v + h * d, d, v_pool.data_ptr<int8_t>() + at + h * head_width);
-        }
-      } else if (half) {
-        store(k.data(), slot_size, k_pool.data_ptr<at::Half>() + at);
-        store(v, slot_size, v_pool.data_ptr<at::Half>() + at);
-      } else {
-        store(k.data(), slot_size, k_pool.data_ptr<float>() + at);
-        store(v, slot_size, v_pool.data_ptr<float>() + at);
-      }
+      store_slot(k.data(), x + (heads + kv_heads) * d, slots[r], k_pool, v_pool, kv_heads, d, head_width);
     }
   });
   return paged_attention_rows(q, k_pool, v_pool, row_seq, row_len, seq_slots, scale).view({rows, heads * d});
+}
+
+// K/V rows without Q: the K heads rotated, then both written into the pools at slot_mapping, as paged_attention_qkv
+// writes them. kv: [rows, 2 * kv_heads * head_dim]; cos, sin: [rows, head_dim]; slot_mapping: [rows]
+void write_kv(const at::Tensor& kv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& k_pool,
+              at::Tensor& v_pool, const at::Tensor& slot_mapping) {
+  const at::Tensor kv = kv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(kv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "write_kv takes float32 kv, cos and sin");
+  const int64_t rows = kv.size(0);
+  const auto [kv_heads, d, head_width] = pool_geometry(k_pool, v_pool, kv.size(1), "write_kv");
+  TORCH_CHECK(kv.size(1) == 2 * kv_heads * d && cos.numel() == rows * d && sin.numel() == rows * d &&
+              slot_mapping.numel() == rows, "write_kv: kv, cos, sin and slot_mapping disagree");
+  const float* src = kv.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(kv_heads * d);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = src + r * kv.size(1);
+      const float *c = cos.data_ptr<float>() + r * d, *s = sin.data_ptr<float>() + r * d;
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(x + h * d, c, s, d, k.data() + h * d);
+      store_slot(k.data(), x + kv_heads * d, slots[r], k_pool, v_pool, kv_heads, d, head_width);
+    }
+  });
 }
 
 // K or V heads into an int8 pool's layout (store_int8 per head): x: [..., head_dim] → [..., head_dim + 4] int8.
