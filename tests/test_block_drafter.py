@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve import sampling
 from specserve.attention.sdpa import AttentionMetadata, SeqSpan
 from specserve.kv_pages import KVGeometry, KVPool, slots_for
 from specserve.models import LlamaModel
@@ -23,6 +24,7 @@ from specserve.models.block_drafter import (
 from specserve.models.layers import Rope, rms_norm
 from specserve.native.ops import apply_rope, dequantize_kv
 from specserve.quantization import Int8Linear
+from specserve.speculative.block_proposer import BlockDrafterProposer
 from specserve.types import Proposal, SamplingParams, StepPlan
 from tests.spec_harness import make_engine, record_proposals, run
 
@@ -209,11 +211,35 @@ def test_confidence_head_is_sigmoid_of_linear_over_hidden_and_markov_embedding(t
                        for t in prev.tolist()])
     logit = torch.cat([hidden, emb], -1) @ w["confidence.weight"][0] + w["confidence.bias"]
     want = torch.sigmoid(logit / torch.tensor([1.0, 2.0, 0.5, 3.0, 2.0], dtype=torch.float64))
-    torch.testing.assert_close(drafter.confidence(hidden, prev, rows), want, rtol=0, atol=1e-14)
+    torch.testing.assert_close(drafter.confidence(hidden, drafter.to_draft[prev], rows), want, rtol=0, atol=1e-14)
     markov = emb @ w["markov.w2.weight"].T
     torch.testing.assert_close(drafter.markov_logits(drafter.to_draft[prev]), markov, rtol=0, atol=1e-12)
     base = torch.randn(5, len(token_map), dtype=torch.float64)
     torch.testing.assert_close(drafter.markov_logits(drafter.to_draft[prev], base), base + markov, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("jobs,rows", [(1, 8), (3, 2)])
+def test_the_native_greedy_heads_are_the_python_ones(tiny_llama, jobs, rows):
+    """With int8 heads, a greedy block's draft head, Markov chain and confidences are one native op
+    (native/markov.cpp's dspark_greedy): the same picks and confidences as the ops it replaces, and the chain
+    matters (each pick's Markov term changes the next)."""
+    int8_target = LlamaModel(tiny_llama.config, tiny_llama.weights, torch.float32, quantization="int8")
+    ckpt = random_block_drafter(tiny_llama.config, "DSPARK", token_map=torch.arange(0, 257, 2), markov_rank=8,
+                                block_size=8, seed=5)
+    ckpt.weights["markov.w1.weight"] *= 8                  # a Markov term as large as the head's logits
+    drafter = BlockDrafter(ckpt, int8_target)
+    assert drafter.native_heads
+    g = torch.Generator().manual_seed(jobs)
+    hidden = torch.randn(jobs, rows, 64, generator=g)
+    prev = torch.tensor([5, 128, 40][:jobs])              # 128: outside the draft vocabulary, no Markov term
+    proposer = BlockDrafterProposer(drafter, gamma=8)
+    got = proposer._greedy_drafts(hidden, prev)
+    drafter.native_heads = False
+    want = proposer._greedy_drafts(hidden, prev)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    independent = sampling.greedy_tokens(drafter.logits(hidden.flatten(0, 1))).view(jobs, rows)
+    assert rows == 2 or not torch.equal(got[0], independent)
 
 
 # ---- the Markov head in the engine -----------------------------------------------------------------

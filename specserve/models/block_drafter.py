@@ -242,6 +242,10 @@ class BlockDrafter:
             # hidden + r → 1
             self.confidence_head = make_linear(w["confidence.weight"], w["confidence.bias"], quantization)
             self.temperatures = torch.tensor(c.confidence_temperatures, dtype=dtype)   # [block_size]
+        # a greedy block's heads as one native op (native/markov.cpp) where each of them is an int8 linear
+        self.native_heads = (self.markov and dtype == torch.float32 and native.register()
+                             and all(isinstance(lin, Int8Linear) for lin in [head, self.w2, self.confidence_head])
+                             and head.bias is None)
 
     def block_row_weights(self) -> int:
         """Weights one block row multiplies through: its layers, the draft head and the DSPARK heads."""
@@ -290,9 +294,20 @@ class BlockDrafter:
         return self.w2(self.w1[prev], base)
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # hidden: [n, hidden]; prev: [n] target ids; rows: [n] row index k in the block → c_k: [n]
-        features = torch.cat([hidden, self.w1[self.to_draft[prev]]], dim=-1)
+        # hidden: [n, hidden]; prev: [n] draft ids of each row's previous token; rows: [n] row index k in the block
+        # → c_k: [n]
+        features = torch.cat([hidden, self.w1[prev]], dim=-1)
         return torch.sigmoid(self.confidence_head(features).squeeze(-1) / self.temperatures[rows])
+
+    def dspark_greedy(self, hidden: torch.Tensor,      # [jobs, rows, hidden] final-normed block rows
+                      prev: torch.Tensor               # [jobs] draft ids of the tokens before the first rows
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """native_heads only: the greedy picks [jobs, rows] (draft ids; each row's argmax after the Markov term of the
+        row before's pick) and their confidences [jobs, rows], in one native op (native/markov.cpp) with the kernels
+        of `logits`, `markov_logits` and `confidence`."""
+        head, conf = self.model.head, self.confidence_head
+        return torch.ops.specserve.dspark_greedy(hidden, prev, head.weight, head.scale, self.w1, self.w2.weight,
+                                                 self.w2.scale, conf.weight, conf.scale, conf.bias, self.temperatures)
 
 
 def context_vectors(c: BlockDrafterConfig, aux: torch.Tensor, fc, hidden_norm: torch.Tensor) -> torch.Tensor:

@@ -169,33 +169,32 @@ class BlockDrafterProposer(CommittedContext):
                                            anchor_context)
         if len(draft_rows) < len(tokens):
             hidden = hidden[draft_rows]
-        offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
-        drafts, probs = self._draft(jobs, self.drafter.logits(hidden), offsets)
-        confidences: list[list[float] | None] = [None] * len(jobs)
-        if self.drafter.markov:
-            prev = [t for job, d in zip(jobs, drafts) for t in [job.request.all_token_ids[-1]] + d[:-1]]
-            rows = [k for job in jobs for k in range(job.num_drafts)]
-            c = self.drafter.confidence(hidden, torch.tensor(prev), torch.tensor(rows)).tolist()
-            confidences = [c[a:b] for a, b in itertools.pairwise(offsets)]
-            for job, conf in zip(jobs, confidences):
+        drafts, probs, confidences = self._draft(jobs, hidden)
+        for job, conf in zip(jobs, confidences):
+            if conf is not None:
                 self.policy.observe(job.request, conf)
         return {job.index: Candidate(d, q, c) for job, d, q, c in zip(jobs, drafts, probs, confidences)}
 
-    def _draft(self, jobs: list[DraftJob], logits: torch.Tensor,   # [rows, V_d]
-               offsets: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    def _draft(self, jobs: list[DraftJob], hidden: torch.Tensor,   # [rows, hidden] the jobs' draft rows in turn
+               ) -> tuple[list[list[int]], list[list[torch.Tensor]], list[list[float] | None]]:
         """Choose each job's drafts row by row (the Markov head needs the previous row's draft): the
         argmax for greedy requests, else a sample from the drafter's distribution under the request's
-        filters, kept over the full target vocabulary (zero outside the token map) as q for the verifier."""
+        filters, kept over the full target vocabulary (zero outside the token map) as q for the verifier;
+        and DSPARK's confidences of them."""
         drafter = self.drafter
         prev = drafter.to_draft[torch.tensor([job.request.all_token_ids[-1] for job in jobs])]   # draft ids
         rows = max(job.num_drafts for job in jobs)
         uniform = all(job.num_drafts == rows for job in jobs)     # then row k of every job is a strided view
         if uniform and all(job.request.params.greedy and not job.request.params.has_penalties for job in jobs):
             # Greedy rows stay tensors to the block's end: not a Python pass over the jobs per row.
-            picked = self._greedy_drafts(logits.view(len(jobs), rows, -1), prev)
-            return drafter.token_map[picked].tolist(), [[] for _ in jobs]
+            picked, conf = self._greedy_drafts(hidden.view(len(jobs), rows, -1), prev)
+            confidences = [None] * len(jobs) if conf is None else conf.tolist()
+            return drafter.token_map[picked].tolist(), [[] for _ in jobs], confidences
+        offsets = list(itertools.accumulate((j.num_drafts for j in jobs), initial=0))
+        logits = drafter.logits(hidden)                                                         # [rows, V_d]
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        first = prev.clone()
         for k in range(rows):
             active = [j for j, job in enumerate(jobs) if job.num_drafts > k]
             scores = logits.view(len(jobs), rows, -1)[:, k] if uniform else logits[[offsets[j] + k for j in active]]
@@ -210,23 +209,37 @@ class BlockDrafterProposer(CommittedContext):
                         probs[j].append(q)
                 drafts[j].append(token)
                 prev[j] = drafter.to_draft[token]
-        return drafts, probs
-
-    def _greedy_drafts(self, logits: torch.Tensor,    # [jobs, rows, V_d] each job's block rows
-                       prev: torch.Tensor) -> torch.Tensor:   # [jobs] draft ids of the tokens before the first rows
-        """Each row's argmax after the Markov term of the row before's pick (DSPARK; DFLASH's rows are independent)
-        → [jobs, rows] draft ids. An int8 Markov head runs the chain as one native op (native/markov.cpp, the same
-        bits as this loop)."""
-        drafter = self.drafter
         if not drafter.markov:
-            return sampling.greedy_tokens(logits.flatten(0, 1)).view(logits.shape[:2])
+            return drafts, probs, [None] * len(jobs)
+        before = torch.cat([torch.cat([first[j:j + 1], drafter.to_draft[torch.tensor(d[:-1], dtype=torch.long)]])
+                            for j, d in enumerate(drafts)])
+        rows_of = torch.tensor([k for job in jobs for k in range(job.num_drafts)])
+        c = drafter.confidence(hidden, before, rows_of).tolist()
+        return drafts, probs, [c[a:b] for a, b in itertools.pairwise(offsets)]
+
+    def _greedy_drafts(self, hidden: torch.Tensor,    # [jobs, rows, hidden] final-normed block rows
+                       prev: torch.Tensor             # [jobs] draft ids of the tokens before the first rows
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's argmax after the Markov term of the row before's pick (DSPARK; DFLASH's rows are independent)
+        → the picks [jobs, rows] (draft ids) and DSPARK's confidences of them [jobs, rows]. With int8 heads over
+        float32 rows, one native op computes the same with the same kernels (BlockDrafter.dspark_greedy)."""
+        drafter = self.drafter
+        if drafter.native_heads:
+            return drafter.dspark_greedy(hidden, prev)
+        jobs, rows = hidden.shape[:2]
+        logits = drafter.logits(hidden.flatten(0, 1)).view(jobs, rows, -1)
+        if not drafter.markov:
+            return sampling.greedy_tokens(logits.flatten(0, 1)).view(jobs, rows), None
         if isinstance(drafter.w2, Int8Linear) and logits.dtype == torch.float32:
-            return torch.ops.specserve.markov_greedy(logits, prev, drafter.w1, drafter.w2.weight, drafter.w2.scale)
-        picked = []
-        for k in range(logits.shape[1]):
-            prev = sampling.greedy_tokens(drafter.markov_logits(prev, logits[:, k]))
-            picked.append(prev)
-        return torch.stack(picked, dim=1)
+            picked = torch.ops.specserve.markov_greedy(logits, prev, drafter.w1, drafter.w2.weight, drafter.w2.scale)
+        else:
+            chain = [prev]
+            for k in range(rows):
+                chain.append(sampling.greedy_tokens(drafter.markov_logits(chain[-1], logits[:, k])))
+            picked = torch.stack(chain[1:], dim=1)
+        before = torch.cat([prev[:, None], picked[:, :-1]], dim=1)
+        return picked, drafter.confidence(hidden.flatten(0, 1), before.flatten(),
+                                          torch.arange(rows).repeat(jobs)).view(jobs, rows)
 
     def _slots(self, sched: ScheduledRequest) -> int:
         """The draft slots of a request's block: gamma, bar those the scheduler could not reserve."""
