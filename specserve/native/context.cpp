@@ -8,21 +8,9 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "simd.h"
 
-#include <cmath>
 #include <vector>
-
-namespace {
-
-// out = x / rms(x) * w over n values (w: nullptr for none), the statistic summed in order
-void rms_normed(const float* x, int64_t n, const float* w, float eps, float* out) {
-  float squares = 0.0f;
-  for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * inv * w[i] : x[i] * inv;
-}
-
-}  // namespace
 
 // aux: [n, target_layers * target_hidden] float32 residual streams of committed tokens; fc, fc_scale: the int8 fc;
 // hidden_norm: [hidden]; kv, kv_scale: per draft layer the int8 K/V projection (K heads then V heads); cos_table,
@@ -44,19 +32,22 @@ at::Tensor draft_context(const at::Tensor& aux_in, int64_t target_layers, double
               "draft_context: one position and one slot per row");
   const int64_t n = aux.size(0), width = aux.size(1) / target_layers;
   const float e = static_cast<float>(eps);
-  at::Tensor normed = at::empty_like(aux);
+  // the target layers' norms have no weight: times 1, exact
+  const std::vector<float> ones(width, 1.0f);
+  at::Tensor normed_aux = at::empty_like(aux);
   at::parallel_for(0, n * target_layers, 64, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u)
-      rms_normed(aux.data_ptr<float>() + u * width, width, nullptr, e, normed.data_ptr<float>() + u * width);
+      specserve::normed(aux.data_ptr<float>() + u * width, width, ones.data(), e,
+                        normed_aux.data_ptr<float>() + u * width);
   });
-  const at::Tensor projected = int8_linear(normed, std::nullopt, 0.0, false, fc, fc_scale, std::nullopt, std::nullopt);
+  const at::Tensor projected = int8_linear(normed_aux, std::nullopt, 0.0, false, fc, fc_scale, std::nullopt, std::nullopt);
   const int64_t hidden = projected.size(1);
   TORCH_CHECK(hidden_norm.scalar_type() == at::kFloat && hidden_norm.numel() == hidden,
               "draft_context: hidden_norm must be float32 [hidden]");
   at::Tensor context = at::empty_like(projected);
   for (int64_t r = 0; r < n; ++r)
-    rms_normed(projected.data_ptr<float>() + r * hidden, hidden, hidden_norm.data_ptr<float>(), e,
-               context.data_ptr<float>() + r * hidden);
+    specserve::normed(projected.data_ptr<float>() + r * hidden, hidden, hidden_norm.data_ptr<float>(), e,
+                      context.data_ptr<float>() + r * hidden);
   const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
   for (size_t i = 0; i < kv.size(); ++i) {
     const at::Tensor rows = int8_linear(context, std::nullopt, 0.0, false, kv[i], kv_scale[i], std::nullopt,

@@ -50,20 +50,6 @@ void gated(const float* x, int64_t n, float* h) {
   for (; i < n; ++i) h[i] = x[i] / (1.0f + std::exp(-x[i])) * x[n + i];
 }
 
-// h = x / rms(x) * w
-void normed(const float* x, int64_t n, const float* w, float eps, float* h) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
-  float squares = sum8(acc);
-  for (; i < n; ++i) squares += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
-  const __m256 inv8 = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv8), _mm256_loadu_ps(w + i)));
-  for (; i < n; ++i) h[i] = x[i] * inv * w[i];
-}
-
 // h → int8 q over [0, k_pad) (zero past n), one scale max|h| / 127 per group of GROUP inputs in scales
 void quantize(const float* h, int64_t n, int64_t k_pad, int8_t* a, float* scales) {
   const __m256 sign = _mm256_set1_ps(-0.0f);

@@ -677,10 +677,9 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_i
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "paged_attention_qkv takes float32 qkv, cos and sin");
   const int64_t rows = qkv.size(0), kv_heads = k_pool.size(1), d = qkv.size(1) / (heads + 2 * kv_heads);
-  const auto [_, kv_d, head_width] = pool_geometry(k_pool, v_pool, 2 * kv_heads * d, "paged_attention_qkv");
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && kv_d == d && cos.numel() == rows * d &&
-              sin.numel() == rows * d && slot_mapping.numel() == rows,
-              "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
+  const int64_t head_width = std::get<2>(pool_geometry(k_pool, v_pool, 2 * kv_heads * d, "paged_attention_qkv"));
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && cos.numel() == rows * d && sin.numel() == rows * d &&
+              slot_mapping.numel() == rows, "paged_attention_qkv: qkv, cos, sin and slot_mapping disagree");
   at::Tensor q = at::empty({rows, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();

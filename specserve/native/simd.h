@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace specserve {
@@ -70,6 +71,20 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// h = x / rms(x) * w over n values (the int8 linear's input norm, the draft context's norms)
+inline void normed(const float* x, int64_t n, const float* w, float eps, float* h) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  float squares = sum8(acc);
+  for (; i < n; ++i) squares += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv8), _mm256_loadu_ps(w + i)));
+  for (; i < n; ++i) h[i] = x[i] * inv * w[i];
 }
 
 }  // namespace specserve
