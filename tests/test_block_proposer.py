@@ -484,6 +484,40 @@ def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
     assert ngram >= 3 and block > 5
 
 
+@pytest.mark.parametrize("forecast", [0.0, 100.0])
+def test_no_block_runs_where_the_ngram_continuation_beats_its_forecast(tiny_llama, drafters, forecast):
+    """A block whose forecast promises no more accepted drafts than the request's n-gram continuation would lose
+    to it and only cost time: it does not run (forecast 0: no request with an n-gram match runs one), and blocks
+    run as before where no n-gram can promise as much (forecast 100). Greedy outputs stay plain."""
+    prompts = make_prompts(8, seed=11)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)] * 8
+    engine = make_engine(tiny_llama, speculative_block_size=4, **BLOCK_CASES["dspark-hybrid"](drafters))
+    proposer = engine.proposer
+    proposer.policy.forecast_gain = lambda req, rows: forecast if req.request_id in proposer.policy.forecast else None
+    matched, blocks = [], []          # per step the requests with an n-gram match; (step, requests) per block
+    lookups, run_block = proposer.hybrid.lookups, proposer._run_block
+
+    def recording_lookups(plan, max_rows):
+        found = lookups(plan, max_rows)
+        matched.append({plan.scheduled[i].request.request_id for i in found})
+        return found
+
+    def recording_block(plan, jobs):
+        blocks.append((len(matched) - 1, {job.request.request_id for job in jobs}))
+        return run_block(plan, jobs)
+
+    proposer.hybrid.lookups, proposer._run_block = recording_lookups, recording_block
+    spec = drive(engine, prompts, params)
+    assert [o.token_ids for o in spec.outputs] == [o.token_ids for o in run(tiny_llama, prompts, params).outputs]
+    known = set()                     # requests with a forecast: those that ran a block before
+    overlaps = 0
+    for step, ran in blocks:
+        overlaps += len(ran & matched[step] & known)
+        known |= ran
+    assert blocks and any(matched)
+    assert (overlaps == 0) if forecast == 0.0 else (overlaps > 0)
+
+
 def test_hybrid_needs_dspark(tiny_llama, drafters):
     with pytest.raises(ValueError, match="--speculative-ngram-hybrid needs DSPARK"):
         make_engine(tiny_llama, **BLOCK_CASES["dflash"](drafters), speculative_ngram_hybrid=True)

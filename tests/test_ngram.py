@@ -1,10 +1,15 @@
 """NGRAM prompt lookup: which occurrence it copies from, how far, and what it proposes per request."""
+import gzip
+import itertools
+import json
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from specserve.engine import LLM
-from specserve.speculative.ngram import NgramHybrid, NgramProposer, longest_match, prompt_lookup
+from specserve.speculative.ngram import NgramHybrid, NgramProposer, continuation_rates, longest_match, prompt_lookup
 from specserve.speculative.windows import Candidate
 from specserve.types import (
     Request,
@@ -47,7 +52,7 @@ def hybrid_step(hybrid: NgramHybrid, req: Request, block: Candidate, accepted: i
     """One step of the hybrid on one request: weigh against `block`, verify the winner, record `accepted`."""
     plan = StepPlan((ScheduledRequest(req, len(req.all_token_ids) - 1, 1, True, 4),))
     candidates = {0: block}
-    hybrid.weigh(plan, candidates, 4)
+    hybrid.weigh(candidates, hybrid.lookups(plan, 4))
     if candidates[0].ngram_match:
         hybrid.verifying(req, candidates[0].ngram_match, len(candidates[0].drafts))
     hybrid.record(plan, VerifyResult((RequestVerifyResult((0,) * (accepted + 1), accepted),)))
@@ -55,19 +60,37 @@ def hybrid_step(hybrid: NgramHybrid, req: Request, block: Candidate, accepted: i
 
 
 def test_hybrid_keeps_the_ngram_record_per_match_length():
-    """Short matches that failed lose to the block; a long match on the same request still starts from the prior."""
+    """Short matches that failed lose to the block; a long match on the same request still starts from its prior."""
     hybrid = NgramHybrid(1, 4)
-    block = Candidate([7, 7, 7, 7], [], [0.4] * 4)
+    block = Candidate([7, 7, 7, 7], [], [0.25] * 4)                  # expects 0.33 accepted drafts
     short = Request("a", [5, 1, 2, 3, 6, 5], SamplingParams())      # only the 1-gram `5` matches
-    assert hybrid_step(hybrid, short, block, accepted=0).ngram_match == 1   # the even prior beats 0.4
+    assert hybrid.lookup(short, 4).confidences == list(NgramHybrid.PRIORS[1][:4])    # expects 0.48
+    assert hybrid_step(hybrid, short, block, accepted=0).ngram_match == 1
     assert hybrid.per_request["a"][1].counts == [1]
     assert not hybrid_step(hybrid, short, block, accepted=0).ngram_match  # its 1-gram match has failed once
     short.output_token_ids.extend([1, 2, 3])                             # now `5 1 2 3` matches: 4 tokens
-    assert hybrid.lookup(short, 4) == Candidate([6, 5, 1, 2], [], [0.5] * 4, ngram_match=4)
+    assert hybrid.lookup(short, 4) == Candidate([6, 5, 1, 2], [], list(NgramHybrid.PRIORS[4][:4]), ngram_match=4)
     assert hybrid_step(hybrid, short, block, accepted=4).ngram_match == 4
     assert set(hybrid.per_request["a"]) == {1, 4}
     hybrid.release(short)
     assert not hybrid.per_request and not hybrid.pending
+
+
+def test_continuation_rates_count_each_row_until_the_first_miss():
+    # prompt 1 2 3, answer 1 2 3 1 9; after `1 2 3` nothing matches; after `1 2 3 1` the 1-gram `1` drafts 2 3 1,
+    # all held; after `.. 1 2` the 2-gram drafts 3 1 2 against 3 1 9; after `.. 1 2 3` the 3-gram drafts 1 2 3
+    # against the last two tokens 1 9
+    rates = continuation_rates([([1, 2, 3], [1, 2, 3, 1, 9])], 1, 4, 3)
+    assert rates == {1: [1.0, 1.0, 1.0], 2: [1.0, 1.0, 0.0], 3: [1.0, 0.0, None]}
+
+
+def test_the_ngram_priors_are_the_measured_continuation_rates():
+    """PRIORS is what benchmarks/ngram_priors.py measures on the committed answers of the embedded target."""
+    path = Path(__file__).resolve().parent.parent / "data/smollm2-135m-sharegpt-regenerated.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        pairs = [(r["prompt_ids"], r["output_ids"]) for r in map(json.loads, itertools.islice(f, 1000))]
+    rates = continuation_rates(pairs, 1, 4, 8, stride=2)
+    assert {n: tuple(round(r, 2) for r in row) for n, row in rates.items()} == NgramHybrid.PRIORS
 
 
 def reference_lookup(tokens, ngram_min, ngram_max, k):

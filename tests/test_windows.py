@@ -178,6 +178,26 @@ def test_row_means_pull_towards_the_prior_and_fill_unseen_rows():
     assert means.means(1, 0.5, 2.0) == pytest.approx([0.5])
 
 
+def test_row_means_take_a_prior_per_row():
+    means = RowMeans()
+    assert means.means(4, [0.2, 0.6, 0.8], 2.0) == [0.2, 0.6, 0.8, 0.8]     # past its end: the last row's prior
+    means.add([0.0, 1.0])
+    assert means.means(3, [0.2, 0.6, 0.8], 2.0) == pytest.approx([0.4 / 3, 2.2 / 3, 0.8])
+
+
+def test_the_forecast_gain_is_the_calibrated_forecasts_survivals():
+    from specserve.speculative.windows import AllRows, BudgetPlanner
+    from specserve.types import Request, SamplingParams
+
+    planner = BudgetPlanner(CostTable((1, 2), (1.0, 1.25)))
+    req = Request("a", [1], SamplingParams())
+    assert planner.forecast_gain(req, 2) is None and AllRows().forecast_gain(req, 2) is None
+    planner.observe(req, [0.5, 0.4, 0.3])                      # rows' means, each with the even prior twice
+    assert planner.forecast_gain(req, 2) == pytest.approx(0.5 + 0.5 * (0.4 + 1.0) / 3)
+    planner.verified(req, [0.5, 0.4], num_accepted=0)          # row 0 claimed 0.5, rejected: scaled by 2 / 2.5
+    assert planner.forecast_gain(req, 1) == pytest.approx(0.5 * 2 / 2.5)
+
+
 def test_row_means_count_a_verified_window_up_to_its_first_rejection():
     means = RowMeans()
     means.add_verified(num_verified=4, num_accepted=2)    # rows 0, 1 accepted, row 2 rejected, row 3 unreached

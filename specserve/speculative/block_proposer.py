@@ -19,7 +19,8 @@ DSPARK applies its Markov head row by row with the drafted previous token and si
 confidences (windows.py: the budget planner by default, which also skips blocks that would not pay, or a
 survival threshold). With --speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request
 and verifies it instead when its expected accepted length is larger (ngram.NgramHybrid); requests whose block
-may not run yet draft n-grams alone."""
+may not run yet draft n-grams alone, and a request whose n-gram continuation promises at least what its block's
+forecast does (the planner's mean of its blocks so far) skips the block: the n-gram would win anyway."""
 from __future__ import annotations
 
 import itertools
@@ -37,7 +38,7 @@ from specserve.quantization import Int8Linear
 from specserve.speculative import CommittedContext, DraftJob
 from specserve.speculative.cost_table import resolve_cost_table
 from specserve.speculative.ngram import NgramHybrid
-from specserve.speculative.windows import AllRows, BudgetPlanner, Candidate, Threshold, WindowPolicy
+from specserve.speculative.windows import AllRows, BudgetPlanner, Candidate, Threshold, WindowPolicy, expected_accepted
 from specserve.types import Proposal, Request, ScheduledRequest, StepPlan, VerifyResult
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ class BlockDrafterProposer(CommittedContext):
         # Never more rows than draft slots: the block's K/V goes to slots the scheduler reserved.
         jobs = [DraftJob(i, s.request, self._slots(s)) for i, s in enumerate(plan.scheduled)
                 if s.samples and s.max_drafts > 0 and self.ready(s.request)]
+        lookups = self.hybrid.lookups(plan, self.gamma) if self.hybrid is not None else {}
+        jobs = [job for job in jobs if not self._ngram_beats_block(job, lookups.get(job.index))]
         jobs = self.policy.worth_drafting(plan, jobs)
         candidates: dict[int, Candidate] = {}     # by plan index
         if jobs:
@@ -125,8 +128,8 @@ class BlockDrafterProposer(CommittedContext):
             catching_up = written > (self.gamma + 1) * len(jobs)
             self.policy.timed(sum(self._slots(plan.scheduled[job.index]) for job in jobs),
                               time.perf_counter() - (flushed if catching_up else start))
-        if self.hybrid is not None:
-            self.hybrid.weigh(plan, candidates, self.gamma)
+        if lookups:
+            self.hybrid.weigh(candidates, lookups)
         if not candidates:
             return Proposal.none(len(plan.scheduled))
         windows = self.policy.windows(plan, candidates)
@@ -143,6 +146,14 @@ class BlockDrafterProposer(CommittedContext):
             elif c is not None and m:
                 self.pending[plan.scheduled[i].request.request_id] = c[:m]
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
+
+    def _ngram_beats_block(self, job: DraftJob, ngram: Candidate | None) -> bool:
+        """Whether the request's n-gram continuation promises at least what its block's forecast does: the block
+        would then only be overhead (the n-gram wins when both run)."""
+        if ngram is None:
+            return False
+        gain = self.policy.forecast_gain(job.request, job.num_drafts)
+        return gain is not None and expected_accepted(ngram) >= gain
 
     def _run_block(self, plan: StepPlan, jobs: list[DraftJob]) -> dict[int, Candidate]:
         """One non-causal forward over every job's block → each job's drafts (and their q and confidences).

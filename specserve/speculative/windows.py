@@ -14,6 +14,7 @@ the block still does not pay off (back to PROBE_EVERY once it does). Probes fall
 PROBE_EVERY, so the skipping requests that probe share one block forward."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -56,16 +57,21 @@ class RowMeans:
         accepted = min(num_accepted, num_verified)
         self.add([1.0] * accepted + [0.0] * (accepted < num_verified))
 
-    def means(self, rows: int, prior: float = PRIOR, strength: float = PRIOR_WEIGHT) -> list[float]:
-        """The estimates of rows 0 .. rows - 1; rows never observed are the prior."""
-        observed = [(total + strength * prior) / (count + strength)
-                    for total, count in zip(self.sums[:rows], self.counts[:rows])]
-        return observed + [prior] * (rows - len(observed))
+    def means(self, rows: int, prior: float | Sequence[float] = PRIOR, strength: float = PRIOR_WEIGHT) -> list[float]:
+        """The estimates of rows 0 .. rows - 1; rows never observed are the prior (row k's, where the prior is a
+        list per row: its last value past its end)."""
+        priors = [prior] * rows if isinstance(prior, (int, float)) else [prior[min(k, len(prior) - 1)]
+                                                                          for k in range(rows)]
+        sums, counts = self.sums + [0.0] * rows, self.counts + [0] * rows
+        return [(sums[k] + strength * priors[k]) / (counts[k] + strength) for k in range(rows)]
 
 
 class WindowPolicy(Protocol):
     def worth_drafting(self, plan: StepPlan, jobs: list[DraftJob]) -> list[DraftJob]: ...
     def observe(self, req: Request, confidences: list[float]) -> None: ...   # a block's confidences
+    # the accepted drafts a block's first `rows` rows would be expected to give the request, from its blocks so
+    # far; None without a forecast
+    def forecast_gain(self, req: Request, rows: int) -> float | None: ...
     # the confidences of a block's verified drafts and how many of them were accepted
     def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None: ...
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]: ...  # by plan index
@@ -81,6 +87,9 @@ class AllRows:
 
     def observe(self, req: Request, confidences: list[float]) -> None:
         pass
+
+    def forecast_gain(self, req: Request, rows: int) -> float | None:
+        return None
 
     def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None:
         pass
@@ -171,6 +180,10 @@ class BudgetPlanner:
         # not stop the next block.
         self.forecast.setdefault(req.request_id, RowMeans()).add(confidences)
 
+    def forecast_gain(self, req: Request, rows: int) -> float | None:
+        forecast = self.forecast.get(req.request_id)
+        return None if forecast is None else sum(survivals(self._calibrated(req, forecast.means(rows))))
+
     def verified(self, req: Request, confidences: list[float], num_accepted: int) -> None:
         self.reach[req.request_id] = max(len(confidences), self.reach.get(req.request_id, 0) - 1)
         reached = min(num_accepted + 1, len(confidences))      # rows after the first rejection were not judged
@@ -244,6 +257,11 @@ class BudgetPlanner:
 def cached_keys(sched: ScheduledRequest) -> int:
     """About how many keys each row of a request's step attends: its context up to the fed tokens."""
     return sched.start + sched.num_feed
+
+
+def expected_accepted(candidate: Candidate) -> float:
+    """The drafts a candidate's whole window is expected to have accepted: the sum of its survivals."""
+    return sum(survivals(candidate.confidences))
 
 
 def survivals(confidences: list[float]) -> list[float]:
