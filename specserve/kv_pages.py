@@ -98,14 +98,19 @@ class KVPool:
     """K/V of one model for every page: k[layer] is [num_slots, kv_heads, head_width], slot = page*page_size + offset
     (head_width: head_dim, plus an int8 pool's scale bytes)."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, page_size: int) -> None:
+    def __init__(self, geometry: KVGeometry, num_pages: int, page_size: int,
+                 device: torch.device | str = "cpu") -> None:
         self.geometry = geometry
         self.num_pages = num_pages
         self.page_size = page_size
         self.null_slot = num_pages * page_size      # first slot of the reserved zero page
         shape = (geometry.num_layers, (num_pages + 1) * page_size, geometry.num_kv_heads, geometry.head_width)
-        self.k = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)    # a long context's reads
-        self.v = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)
+        if torch.device(device).type == "cpu":
+            self.k = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)    # a long context's reads
+            self.v = hugepages.zeros(math.prod(shape), geometry.dtype).view(shape)
+        else:
+            self.k = torch.zeros(shape, dtype=geometry.dtype, device=device)
+            self.v = torch.zeros(shape, dtype=geometry.dtype, device=device)
         # each layer's view, made once: taking k[i] inside the scripted layer stack is an op per layer and step
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
         if geometry.dtype == torch.int8:

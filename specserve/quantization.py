@@ -60,7 +60,7 @@ class Int8Linear(torch.nn.Module):
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
         native.register()               # forward calls its op, which must exist before a stack is scripted
-        self.weight = pack(q, vnni=native.vnni())
+        self.weight = pack(q, vnni=native.vnni() and q.is_cpu)
         self.in_features = q.shape[1]
         self.scale = scale.to(torch.float32)
         self.bias = None if bias is None else bias.to(torch.float32)

@@ -125,3 +125,48 @@ def test_a_cache_of_more_layers_serves_a_drafter_of_fewer(tiny_llama, sequences,
     assert torch.equal(got.top_ids, want.top_ids)
     with pytest.raises(ValueError, match="holds target layers"):
         full.select((0, 2))
+
+
+def gpu_path(run: TargetPass) -> TargetPass:
+    """The pass as it runs off the CPU (padded SDPA through metadata moved to its device), here on the CPU."""
+    run.row_kernel = False
+    return run
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_gpu_path_computes_the_row_kernels_features(tiny_llama, sequences, quantization):
+    """A GPU runs the pass without the row kernel (CPU code): padded SDPA calls, in float32 over the float16 pool
+    as the kernel attends, and the ops' references. On the CPU that path gives the row kernel's features up to
+    float32 rounding."""
+    batch = [sequences[3], sequences[0], sequences[7]]
+    want = TargetPass(tiny_llama, LAYERS, 8, quantization, torch.float32)(batch)
+    got = gpu_path(TargetPass(tiny_llama, LAYERS, 8, quantization, torch.float32))(batch)
+    assert got.aux.shape == want.aux.shape and got.aux.dtype == want.aux.dtype
+    torch.testing.assert_close(got.aux, want.aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.top_probs, want.top_probs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.top_ids[..., 0], want.top_ids[..., 0])
+    assert not got.aux[1, len(sequences[0]):].any(), "the padding stays zero"
+
+
+def test_features_from_off_the_cpu_are_cached_apart(tiny_llama):
+    """Rows computed through the GPU's path round differently: they go under their own key."""
+    cpu = FeatureCache.key(tiny_llama, TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32), "int8")
+    gpu = FeatureCache.key(tiny_llama, gpu_path(TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32)), "int8")
+    assert "device" not in cpu and gpu == {**cpu, "device": "cpu"}
+
+
+def test_an_int8_pool_off_the_cpu_is_refused(tiny_llama):
+    """The padded path reads float pools only; an int8 pool's rows are values and scale bytes."""
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 features need the CPU"):
+        TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, "int8", device="meta")
+
+
+def test_the_pass_off_the_cpu_stays_on_its_device(tiny_llama, sequences):
+    """The meta device stands in for a GPU (values are not computed; an op mixing a CPU tensor with a meta one fails
+    as it would with a CUDA one): the model, its KV pool, the metadata and the ops all run on the pass's device."""
+    run = TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, device="meta")
+    assert not run.row_kernel
+    aux, top_ids, top_probs = run.on_device([sequences[1], sequences[2]])
+    tokens = len(sequences[1]) + len(sequences[2])
+    assert all(t.device.type == "meta" for t in (aux, top_ids, top_probs))
+    assert aux.shape == (tokens, len(LAYERS) * tiny_llama.config.hidden_size) and top_ids.shape == (tokens, 8)

@@ -6,12 +6,13 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from specserve.datasets import WORKLOADS
 from specserve.engine import LLM
 from specserve.models.block_drafter import BlockDrafterCheckpoint
 from specserve.models.eagle import EagleCheckpoint
-from specserve.train.run import add_train_args, cmd_train_drafter, eval_workloads, train_drafter
+from specserve.train.run import add_train_args, cmd_train_drafter, eval_workloads, train_drafter, training_device
 from specserve.train.trainer import TrainConfig
 from specserve.types import SamplingParams
 from tests.conftest import save_hf_folder
@@ -115,3 +116,19 @@ def test_cli_regenerates_trains_resumes_and_exports(tiny_llama, tmp_path):
     assert "| initialised from | an exported drafter's weights" in (tmp_path / "out" / "README.md").read_text()
     assert parser.parse_args([*argv, "--time-budget", "1.5h"]).time_budget == 5400
     assert parser.parse_args([*argv, "--time-budget", "90"]).time_budget == 90
+
+
+def test_device_names_a_gpu_torch_sees_or_is_refused(monkeypatch):
+    assert training_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"--device cuda: torch sees 0 CUDA device\(s\).*--device cpu"):
+        training_device("cuda")
+    for name in ("tpu", "gpu0", "meta"):
+        with pytest.raises(ValueError, match="--device must be cpu or cuda"):
+            training_device(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert training_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match="--device cuda:1: torch sees 1 CUDA device"):
+        training_device("cuda:1")

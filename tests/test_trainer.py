@@ -341,3 +341,23 @@ def test_init_from_an_export_continues_from_its_weights(tiny_llama, tiny_answers
     assert all(torch.equal(p, trained.params[name]) for name, p in fresh.params.items())
     with pytest.raises(ValueError, match="other drafter settings"):
         DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "markov_rank": 4}), token_map).init_from(ckpt)
+
+
+@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH", "EAGLE"])
+def test_a_training_step_stays_on_the_trainers_device(tiny_llama, tiny_answers, algorithm):
+    """On a GPU every tensor a step touches must live there. The meta device stands in for one here: an op mixing a
+    CPU tensor with a meta one fails as it would with a CUDA one. Meta tensors hold no values (boolean masks are
+    taken as all true, and the logged floats cannot be read), so the check runs the step's parts by hand."""
+    import torch.fx.experimental._config as fx_config
+
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**SMALL, algorithm=algorithm), None, device="meta")
+    batch = live_batch(tiny_llama, trainer, usable_examples(tiny_answers, 128)[:4])
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        out = trainer.forward(batch, *sample_anchors(batch, 8, seeded(1)))
+        assert out.draft_logits.device.type == "meta" and out.target.probs.device.type == "meta"
+        assert out.per_sequence.is_cpu and out.per_sequence.tolist() == [8, 8, 8, 8]
+        out.draft_logits.logsumexp(-1).sum().backward()
+    grads = [p.grad for p in trainer.params.values() if p.grad is not None]
+    assert grads and all(g.device.type == "meta" for g in grads)
+    torch.nn.utils.clip_grad_norm_(trainer.params.values(), 1.0)
+    trainer.optimizer.step()

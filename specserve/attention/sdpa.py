@@ -121,6 +121,13 @@ class AttentionMetadata:
             return AttentionMetadata(slot_mapping, (), rows)
         return AttentionMetadata.build(spans, pool.page_size, pool.null_slot)
 
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """The same metadata with its tensors on `device` (the drafter trainer's target pass on a GPU)."""
+        chunks = tuple(c._replace(gather_slots=c.gather_slots.to(device), query_slot=c.query_slot.to(device),
+                                  mask=None if c.mask is None else c.mask.to(device)) for c in self.chunks)
+        rows = None if self.rows is None else RowTables(*(t.to(device) for t in self.rows))
+        return AttentionMetadata(self.slot_mapping.to(device), chunks, rows)
+
     # Padded K/V rows gathered per SDPA call. A whole large batch gathered at once falls out of the CPU
     # caches: 32 chat requests decoded at ~110 tokens/s in one call per layer, ~170 in chunks of 1024 rows
     # (256: one sequence per call, the calls' overhead wins). Each chunk also pads only to its own longest.
@@ -152,7 +159,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, chunks: list[AttentionChunk], rows: Optional[RowTables],
                     scale: float) -> torch.Tensor:
     """Attention in the pool's dtype: with `rows`, the float32 row-invariant kernel; else padded SDPA calls per
-    chunk (a float64 pool makes a row's result independent of the rows beside it to float64 rounding).
+    chunk in the wider of q's and the pool's dtypes (a float64 pool makes a row's result independent of the rows
+    beside it to float64 rounding; a float16 pool, off the CPU, attends in float32 as the row kernel does).
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] → [num_tokens, heads * head_dim]
     in q's dtype."""
     kv_dtype = k_pool.dtype
@@ -162,7 +170,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = torch.ops.specserve.paged_attention_rows(q.float().contiguous(), k_pool, v_pool, rows.seq,
                                                        rows.length, rows.slots, scale)
         return out.view(q.shape[0], -1).to(q.dtype)
-    q_kv = q.to(kv_dtype)
+    q_kv = q.to(torch.promote_types(q.dtype, kv_dtype))
     outs = [_attend_chunk(q_kv[c.token_start:c.token_start + c.num_tokens], k_pool, v_pool, c, scale)
             for c in chunks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -181,8 +189,8 @@ def _attend_chunk(q: torch.Tensor,   # [chunk tokens, heads, head_dim]
         # index_select on the flat slot list: advanced indexing with a 2-D index is ~1000x slower here
         flat = chunk.gather_slots.view(-1)
         keys, values = k_pool.index_select(0, flat), v_pool.index_select(0, flat)
-    keys = keys.view(kv_shape).transpose(1, 2)                   # [batch, kv_heads, max_kv, head_dim]
-    values = values.view(kv_shape).transpose(1, 2)
+    keys = keys.view(kv_shape).transpose(1, 2).to(q.dtype)       # [batch, kv_heads, max_kv, head_dim]
+    values = values.view(kv_shape).transpose(1, 2).to(q.dtype)
     # Every sequence with max_q new tokens (decode steps, equal windows): the flat rows are the padded layout.
     unpadded = num_tokens == chunk.batch * chunk.max_q
     if unpadded:

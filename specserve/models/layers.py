@@ -22,12 +22,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Rope:
     """Rotary embedding with the rotate-half layout (Hugging Face's), cos/sin tabulated per position."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos().to(dtype)      # [max_positions, head_dim]
-        self.sin = angles.sin().to(dtype)
+        self.cos = angles.cos().to(device, dtype)      # [max_positions, head_dim]
+        self.sin = angles.sin().to(device, dtype)
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +55,7 @@ class Linear(torch.nn.Module):
         self.bias = bias
         self.num_weights = weight.numel()
         packed: Optional[torch.Tensor] = None
-        if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if weight.dtype == torch.float32 and weight.is_cpu and torch.backends.mkldnn.is_available():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
         self.packed = packed
         self.plain = transposed(weight) if packed is None or plain_single_row else None   # [in, out]

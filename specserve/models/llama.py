@@ -110,7 +110,8 @@ def native_stack(layers: list[DecoderLayer], dtype: torch.dtype) -> torch.Script
     interpreter and the dispatcher) where it has a kernel for each op: int8 linears in float32, no qk-norm, compiled
     kernels. None elsewhere."""
     linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if (dtype != torch.float32 or not layers or not all(isinstance(lin, Int8Linear) for lin in linears)
+    if (dtype != torch.float32 or not layers or not layers[0].input_norm.is_cpu
+            or not all(isinstance(lin, Int8Linear) for lin in linears)
             or any(layer.q_norm is not None for layer in layers) or not native.register()):
         return None
     none = torch.empty(0)
@@ -131,9 +132,12 @@ def scripted(stack: DecoderStack) -> torch.jit.ScriptModule:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none") -> None:
+                 shared_head: Linear | Int8Linear | None = None, quantization: str = "none",
+                 device: torch.device | str = "cpu") -> None:
         """`shared_head`: use another model's vocabulary projection (drafters share the target's).
-        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear."""
+        `quantization`: "int8" makes every linear, the vocabulary projection included, an Int8Linear.
+        `device`: the engine serves on the CPU; the drafter trainer's target pass may run on a GPU, where the
+        ops run their references (native/__init__.py) and attention takes the padded SDPA path."""
         self.config = config
         self.dtype = dtype
         self.quantization = quantization
@@ -142,7 +146,7 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint for {config.name or config.architecture} is missing tensor {name}")
-            return weights[name].to(dtype)
+            return weights[name].to(device, dtype)
 
         self.embed = w("model.embed_tokens.weight")                       # [vocab, hidden]
         owns_head = shared_head is None
@@ -168,10 +172,11 @@ class LlamaModel:
                                     quantization=quantization),
                 down=make_linear(w(p + "mlp.down_proj.weight"), quantization=quantization),
             ))
-        self._int8_weights_in_huge_pages(owns_head)
+        if self.embed.is_cpu:
+            self._int8_weights_in_huge_pages(owns_head)
         native.register()               # the layers call its ops on every path: they must exist before any forward
         self.native_stack = native_stack(self.layers, dtype)
-        self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype)
+        self.rope = Rope(config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, device)
 
     def _int8_weights_in_huge_pages(self, owns_head: bool) -> None:
         """The int8 weights, moved into one huge-page arena in the order a forward reads them (see

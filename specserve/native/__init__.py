@@ -9,13 +9,16 @@ They are compiled together for this machine on first use (gcc and ninja, explici
 -march=native) into torch's extension cache; `make` does it at install. The int8 linear's AVX-512 VNNI path and the
 attention's AVX-512 path are compiled in as well, under function target attributes: the first runs only for weights
 packed for it (`vnni()`), the second wherever the CPU has AVX-512 (checked in the kernel).
-Where they cannot be built (no compiler, a CPU without AVX2) each op is registered with its Python reference
-instead: row-invariant too, but slow."""
+Where they cannot be built (no compiler, a CPU without AVX2), or SPECSERVE_NATIVE=0 says not to (a machine that only
+trains drafters on its GPU), each op is registered with its Python reference instead: row-invariant too, but slow.
+The references also serve CUDA tensors, for the drafter trainer's target pass on a GPU (train/features.py), which
+needs the int8 linear and little else."""
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,7 +55,9 @@ def references() -> dict[str, tuple[str, Callable]]:
 @functools.cache
 def register() -> bool:
     """Make the ops exist (once per process); True when they run the compiled kernels."""
-    if has_avx2():
+    if os.environ.get("SPECSERVE_NATIVE", "1") == "0":
+        log.info("SPECSERVE_NATIVE=0: the ops run their Python references")
+    elif has_avx2():
         from torch.utils.cpp_extension import load
 
         start = time.perf_counter()
@@ -60,18 +65,33 @@ def register() -> bool:
             load(name="specserve_native", sources=[str(s) for s in SOURCES], is_python_module=False, verbose=False,
                  extra_cflags=[*CFLAGS, header_flag()], extra_ldflags=["-fopenmp"])
             log.info("native kernels ready in %.1f s", time.perf_counter() - start)
+            _register_references(compiled=True)
             return True
         except Exception as exc:      # no compiler, no ninja, a failed build
             log.warning("could not build the native kernels (%s): attention and int8 linears run the slow "
                         "references; --kv-cache-dtype float64 may be faster", exc)
     else:
         log.warning("this CPU lacks AVX2, FMA or F16C: attention and int8 linears run the slow references")
-    library = torch.library.Library("specserve", "DEF")
-    for name, (signature, reference) in references().items():
-        library.define(signature)
-        library.impl(name, reference, "CPU")
-    _libraries.append(library)        # the registration lasts as long as the Library object
+    _register_references(compiled=False)
     return False
+
+
+# ops whose references compute shapes from shapes alone, so that they serve meta tensors too (the tests' stand-in
+# for a GPU: tests/test_features.py)
+SHAPE_ONLY = ("int8_linear", "quantize_kv", "argmax_rows")
+
+
+def _register_references(compiled: bool) -> None:
+    """The references as the ops' CUDA kernels, and as their CPU kernels too where none was compiled."""
+    library = torch.library.Library("specserve", "IMPL" if compiled else "DEF")
+    for name, (signature, reference) in references().items():
+        if not compiled:
+            library.define(signature)
+            library.impl(name, reference, "CPU")
+        library.impl(name, reference, "CUDA")
+        if name in SHAPE_ONLY:
+            library.impl(name, reference, "Meta")
+    _libraries.append(library)        # the registration lasts as long as the Library object
 
 
 _libraries: list[torch.library.Library] = []

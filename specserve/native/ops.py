@@ -142,7 +142,7 @@ def int8_linear(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, g
         x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
     rows, n = x.shape
     w = unpack(weight, len(weight_scale), n).double()
-    y = torch.zeros(rows, len(weight_scale))
+    y = torch.zeros(rows, len(weight_scale), device=x.device)
     for g0 in range(0, n, ACTIVATION_GROUP):
         h = x[:, g0:g0 + ACTIVATION_GROUP]
         peak = h.abs().amax(dim=-1, keepdim=True)

@@ -39,12 +39,20 @@ class TargetFeatures:
 
 
 class TargetPass:
-    """The target over whole sequences, causal and unpadded, in the numerics the engine serves it with."""
+    """The target over whole sequences, causal and unpadded, in the numerics the engine serves it with. On a GPU
+    (`device`) the same model runs its ops' references and attends through padded SDPA calls in the pool's dtype
+    (the row kernel is CPU code): the features differ from the CPU's by rounding, and the cache key says so."""
 
     def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
-                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> None:
-        self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization)
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.kv_geometry = KVGeometry.of(target.config, attention_dtype(kv_cache_dtype, quantization, dtype))
+        self.row_kernel = self.device.type == "cpu"
+        if not self.row_kernel and self.kv_geometry.dtype == torch.int8:
+            raise ValueError("--kv-cache-dtype int8 features need the CPU attention kernel: build them with "
+                             "--device cpu, or pick float16")
+        self.model = LlamaModel(target.config, target.weights, dtype, quantization=quantization, device=self.device)
         self.layer_ids = layer_ids
         self.top_k = top_k
         self.pool: KVPool | None = None
@@ -52,13 +60,27 @@ class TargetPass:
     @torch.no_grad()
     def __call__(self, sequences: list[list[int]]) -> TargetFeatures:
         B, L = len(sequences), max(map(len, sequences))
+        aux, top_ids, top_probs = (t.cpu() for t in self.on_device(sequences))
+        inside = torch.arange(L) < torch.tensor([len(s) for s in sequences])[:, None]     # [B, L]
+        out = TargetFeatures(torch.zeros(B, L, aux.shape[-1], dtype=aux.dtype),
+                             torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
+        out.aux[inside] = aux
+        out.top_ids[inside] = top_ids
+        out.top_probs[inside] = top_probs
+        return out
+
+    def on_device(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pass on its device, unpadded: aux [tokens, K * hidden], top ids and probabilities [tokens, k]."""
+        B, L = len(sequences), max(map(len, sequences))
         per_seq = -(-L // PAGE_SIZE)
         if self.pool is None or self.pool.num_pages < B * per_seq:
-            self.pool = KVPool(self.kv_geometry, B * per_seq, PAGE_SIZE)
+            self.pool = None        # the old pool's memory is free before the new one takes its own
+            self.pool = KVPool(self.kv_geometry, B * per_seq, PAGE_SIZE, self.device)
         spans = [SeqSpan(list(range(b * per_seq, (b + 1) * per_seq)), 0, len(s)) for b, s in enumerate(sequences)]
-        meta = AttentionMetadata.for_pool(spans, self.pool)
-        tokens = torch.tensor([t for s in sequences for t in s])
-        positions = torch.tensor([p for s in sequences for p in range(len(s))])
+        meta = (AttentionMetadata.for_pool(spans, self.pool) if self.row_kernel
+                else AttentionMetadata.build(spans, PAGE_SIZE, self.pool.null_slot).to(self.device))
+        tokens = torch.tensor([t for s in sequences for t in s], device=self.device)
+        positions = torch.tensor([p for s in sequences for p in range(len(s))], device=self.device)
         hidden, aux = self.model.forward(tokens, positions, meta, self.pool, self.layer_ids)
         top_ids, top_probs = [], []
         for rows in hidden.split(1024):
@@ -66,13 +88,7 @@ class TargetPass:
             top = probs.topk(self.top_k, dim=-1)
             top_ids.append(top.indices)
             top_probs.append(top.values)
-        inside = torch.arange(L) < torch.tensor([len(s) for s in sequences])[:, None]     # [B, L]
-        out = TargetFeatures(hidden.new_zeros(B, L, len(aux) * hidden.shape[-1]),
-                             torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
-        out.aux[inside] = torch.cat(aux, dim=-1)
-        out.top_ids[inside] = torch.cat(top_ids)
-        out.top_probs[inside] = torch.cat(top_probs)
-        return out
+        return torch.cat(aux, dim=-1), torch.cat(top_ids), torch.cat(top_probs)
 
 
 def cache_files(width: int, top_k: int) -> dict[str, tuple[type, int]]:
@@ -112,12 +128,13 @@ class FeatureCache:
     @staticmethod
     def key(target: LoadedCheckpoint, pass_: TargetPass, quantization: str) -> dict:
         """Everything a stored row depends on besides its tokens: the target file and its numerics (weights,
-        compute and attention dtypes), the layers and k."""
+        compute and attention dtypes, the device off the CPU), the layers and k."""
         source = Path(target.source)
-        return {"target": source.name, "target_bytes": source.stat().st_size if source.is_file() else None,
-                "quantization": quantization if quantization == "none" else f"{quantization}-{INT8_SCHEME}",
-                "dtype": str(pass_.model.dtype),
-                "attention": str(pass_.kv_geometry.dtype), "layer_ids": list(pass_.layer_ids), "top_k": pass_.top_k}
+        key = {"target": source.name, "target_bytes": source.stat().st_size if source.is_file() else None,
+               "quantization": quantization if quantization == "none" else f"{quantization}-{INT8_SCHEME}",
+               "dtype": str(pass_.model.dtype),
+               "attention": str(pass_.kv_geometry.dtype), "layer_ids": list(pass_.layer_ids), "top_k": pass_.top_k}
+        return key if pass_.row_kernel else {**key, "device": pass_.device.type}
 
     @staticmethod
     def folder_for(root: Path, key: dict) -> Path:

@@ -36,6 +36,22 @@ from specserve.train.trainer import (
 log = logging.getLogger(__name__)
 
 ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH", "eagle": "EAGLE"}
+GPU_TOKENS_PER_PASS = 65536         # target tokens per feature pass on a GPU (4,096 on the CPU: its caches)
+
+
+def training_device(name: str) -> torch.device:
+    """--device: cpu, or cuda[:N] where torch sees that GPU."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {name!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s) (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); train with --device cpu, "
+                         "or install a CUDA build of torch on a machine with a GPU")
+    return device
 
 
 def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainConfig, out: Path, work_dir: Path,
@@ -45,15 +61,17 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   kv_cache_dtype: str = "auto",
                   features_dir: Path | None = None,
                   max_examples: int | None = None,
-                  init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None
-                  ) -> BlockDrafterCheckpoint | EagleCheckpoint:
+                  init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None,
+                  device: str = "cpu") -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
     quantized weights, attention in `kv_cache_dtype` as the engine's flag; cached under `features_dir`, default
     work_dir/features), calibrate on the held-out ones, export to `out` with its model card: held-out row
     accuracy against a count bigram, and an acceptance table over `eval_prompts` held-out prompts and the given
     workloads (chat token ids).
     `max_examples` keeps the first examples of the fixed order (usable_examples), held-out ones included;
-    `init_from` starts a new run (not a resumed one) from an exported drafter's weights."""
+    `init_from` starts a new run (not a resumed one) from an exported drafter's weights. `device` ("cuda" for a GPU)
+    runs the target pass and the training there; the acceptance table is measured by the engine, on the CPU."""
+    device = training_device(device)
     work_dir.mkdir(parents=True, exist_ok=True)
     usable = usable_examples(examples, cfg.max_len)[:max_examples]
     holdout_count = min(cfg.holdout, len(usable) // 10)
@@ -69,10 +87,10 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                  else init_from.weights.get("token_map") if init_from is not None
                  else None if cfg.algorithm == "EAGLE"
                  else build_token_map(train_set, cfg.draft_vocab, target.config.vocab_size))
-    trainer = DrafterTrainer(target, cfg, token_map)
+    trainer = DrafterTrainer(target, cfg, token_map, device)
     quantization = served_quantization(quantization, target)
     layer_ids = trainer.config.target_layer_ids
-    target_pass = TargetPass(target, layer_ids, cfg.target_top_k, quantization, trainer.dtype, kv_cache_dtype)
+    target_pass = TargetPass(target, layer_ids, cfg.target_top_k, quantization, trainer.dtype, kv_cache_dtype, device)
     features_dir = features_dir or work_dir / "features"
     sequences = [sequence(e) for e in usable]
     key = FeatureCache.covering(features_dir, FeatureCache.key(target, target_pass, quantization), sequences)
@@ -80,8 +98,9 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
         log.info("reading target layers %s from the feature cache of layers %s", list(layer_ids), key["layer_ids"])
         del target_pass
         target_pass = TargetPass(target, tuple(key["layer_ids"]), cfg.target_top_k, quantization, trainer.dtype,
-                                 kv_cache_dtype)
-    cache = FeatureCache.build(features_dir, key, sequences, target_pass).select(layer_ids)
+                                 kv_cache_dtype, device)
+    cache = FeatureCache.build(features_dir, key, sequences, target_pass,
+                               tokens_per_pass=4096 if device.type == "cpu" else GPU_TOKENS_PER_PASS).select(layer_ids)
     del target_pass
     if resuming:
         trainer.load(state_path)
@@ -114,7 +133,9 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                "optimizer": f"AdamW, lr {cfg.lr:g}, warmup {cfg.warmup_ratio:g}, cosine, clip {cfg.grad_clip:g}",
                "loss": f"{cfg.loss.ce:g} CE + {cfg.loss.dist:g} L1, row weight exp(-k/{cfg.loss.decay:g})"
                        + (f" + {cfg.loss.confidence:g} confidence BCE" if cfg.algorithm == "DSPARK" else ""),
-               "training time": f"{trainer.elapsed:,.0f} s ({torch.get_num_threads()} threads, {cfg.dtype})"}
+               "training time": f"{trainer.elapsed:,.0f} s ("
+                                + (f"{torch.get_num_threads()} threads" if device.type == "cpu"
+                                   else torch.cuda.get_device_name(device)) + f", {cfg.dtype})"}
     summary["target features"] = f"{quantization} target, top-{cfg.target_top_k} probabilities"
     if init_from is not None:
         summary["initialised from"] = "an exported drafter's weights and token map (--init-from); steps and time " \
@@ -188,7 +209,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     a("--loss-decay", type=float, default=d.loss.decay, help="block row k weighs exp(-k / decay)")
     a("--warmup-ratio", type=float, default=d.warmup_ratio)
     a("--grad-clip", type=float, default=d.grad_clip)
-    a("--dtype", choices=list(DTYPES), default=d.dtype, help="bfloat16 is slow on CPUs without bf16 units")
+    a("--dtype", choices=list(DTYPES), default=None,
+      help=f"default {d.dtype} on the CPU (bfloat16 is slow on CPUs without bf16 units), bfloat16 autocast on a GPU")
+    a("--device", default="cpu",
+      help="cpu, or cuda[:N]: the target's feature pass and the training run on that GPU (bfloat16 autocast)")
     a("--save-every", type=int, default=d.save_every, help="steps between training checkpoints")
     a("--seed", type=int, default=d.seed)
     a("--resume", action="store_true", help="continue from the training state in the work dir")
@@ -214,6 +238,8 @@ def eval_workloads(names: str, tokenizer, count: int, max_prompt_tokens: int) ->
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = training_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else TrainConfig.dtype)
     cfg = TrainConfig(algorithm=ALGORITHMS[args.algorithm], num_layers=args.num_layers, block_size=args.block_size,
                       train_rows=args.train_rows,
                       markov_rank=args.markov_rank, draft_vocab=args.draft_vocab,
@@ -223,13 +249,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       anchor_slot=args.anchor_slot,
                       target_top_k=args.target_top_k, markov_init=args.markov_init, max_len=args.max_len,
                       holdout=args.holdout, lr=args.lr,
-                      warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=args.dtype,
+                      warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, dtype=dtype,
                       save_every=args.save_every, seed=args.seed,
                       loss=LossWeights(ce=args.loss_ce, dist=args.loss_dist, decay=args.loss_decay))
     out = Path(args.out)
     work_dir = Path(args.work_dir or f"{out}.work")
     work_dir.mkdir(parents=True, exist_ok=True)
-    target = load_checkpoint(args.target_model_path, torch.float64 if args.dtype == "float64" else torch.float32)
+    target = load_checkpoint(args.target_model_path, torch.float64 if dtype == "float64" else torch.float32)
     if args.data and is_regenerated(args.data):
         data_path, source = Path(args.data), f"{args.data} (token ids)"
     else:
@@ -256,6 +282,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                   max_examples=args.max_examples,
                   init_from=(EagleCheckpoint if cfg.algorithm == "EAGLE" else BlockDrafterCheckpoint).load(
                       args.init_from) if args.init_from else None,
-                  eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source)
+                  eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source,
+                  device=args.device)
     print(out)
     return 0

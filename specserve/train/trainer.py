@@ -14,6 +14,7 @@ EAGLE trains the same way with block_size chain rows per anchor instead of a blo
 target's full vocabulary; it has no token map, Markov or confidence head."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -92,6 +93,11 @@ class Batch:
     prompt_lens: torch.Tensor          # [B]
     target: TargetFeatures             # [B, L, ...]
 
+    def to(self, device: torch.device) -> Batch:
+        t = self.target
+        return Batch(self.tokens.to(device), self.lengths.to(device), self.prompt_lens.to(device),
+                     TargetFeatures(t.aux.to(device), t.top_ids.to(device), t.top_probs.to(device)))
+
 
 @dataclass(frozen=True)
 class BlockOutputs:
@@ -162,15 +168,19 @@ def sample_anchors(batch: Batch, count: int, generator: torch.Generator) -> tupl
 
 class DrafterTrainer:
     """A drafter's trainable tensors (Hugging Face layout), its optimizer and the target's frozen embedding
-    and LM head, which the drafter shares."""
+    and LM head, which the drafter shares. On `device` (a GPU, "cuda"), batches are moved there and the anchors
+    are still drawn on the CPU, so a run picks the same blocks on either; the saved state is on the CPU, so a run
+    resumes on either."""
 
-    def __init__(self, target: LoadedCheckpoint, cfg: TrainConfig, token_map: torch.Tensor | None) -> None:
+    def __init__(self, target: LoadedCheckpoint, cfg: TrainConfig, token_map: torch.Tensor | None,
+                 device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
+        self.device = torch.device(device)
         dtype = DTYPES[cfg.dtype]
         self.autocast = dtype is torch.bfloat16
         self.dtype = torch.float32 if self.autocast else dtype
         tc = target.config
-        self.embed = target.weights["model.embed_tokens.weight"].to(self.dtype)     # [vocab, hidden]
+        self.embed = target.weights["model.embed_tokens.weight"].to(self.device, self.dtype)     # [vocab, hidden]
         if not 0 <= cfg.train_rows <= cfg.block_size:
             raise ValueError(f"--train-rows must be in [0, --block-size {cfg.block_size}] (0: the block size), "
                              f"got {cfg.train_rows}")
@@ -192,15 +202,16 @@ class DrafterTrainer:
             raise ValueError(f"--max-len {cfg.max_len} plus the block size exceeds the target's "
                              f"{tc.max_position_embeddings} positions")
         self.token_map = token_map
-        self.params = {k: torch.nn.Parameter(v) for k, v in init.weights.items() if k != "token_map"}
-        self.draft_ids = torch.arange(tc.vocab_size) if token_map is None else token_map.long()
-        self.to_draft = torch.full((tc.vocab_size,), -1, dtype=torch.long)     # target id → draft id
-        self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids))
+        self.params = {k: torch.nn.Parameter(v.to(self.device)) for k, v in init.weights.items() if k != "token_map"}
+        self.draft_ids = (torch.arange(tc.vocab_size) if token_map is None else token_map.long()).to(self.device)
+        self.to_draft = torch.full((tc.vocab_size,), -1, dtype=torch.long, device=self.device)   # target → draft id
+        self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.device)
         # tokens outside the map take the Markov head's extra all-zero row, as in the engine
         self.markov_index = torch.where(self.to_draft >= 0, self.to_draft, len(self.draft_ids))
-        head = self.embed if tc.tie_word_embeddings else target.weights["lm_head.weight"].to(self.dtype)
+        head = self.embed if tc.tie_word_embeddings else target.weights["lm_head.weight"].to(self.device, self.dtype)
         self.head = head[self.draft_ids].T.contiguous()                          # [hidden, V_d], frozen
-        self.rope = Rope(self.config.head_dim, self.config.rope_theta, tc.max_position_embeddings, self.dtype)
+        self.rope = Rope(self.config.head_dim, self.config.rope_theta, tc.max_position_embeddings, self.dtype,
+                         self.device)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         self.step = 0
@@ -225,7 +236,8 @@ class DrafterTrainer:
         w1[prev] ≈ log P(next | prev) - its mean over next (add-one smoothing; tokens outside the map are
         left out), so that training starts from what a bigram table knows."""
         V = len(self.draft_ids)
-        prev, nxt = (self.to_draft[ids] for ids in answer_bigrams(examples))
+        to_draft = self.to_draft.cpu()
+        prev, nxt = (to_draft[ids] for ids in answer_bigrams(examples))
         keep = (prev >= 0) & (nxt >= 0)
         counts = torch.ones(V, V).index_put_((prev[keep], nxt[keep]), torch.ones(int(keep.sum())), accumulate=True)
         log_p = counts.log() - counts.sum(1, keepdim=True).log()
@@ -236,6 +248,11 @@ class DrafterTrainer:
         self.params["markov.w2.weight"].copy_(v * sv.sqrt())                # [V_d, r]
 
     # ---- forward ---------------------------------------------------------------------------------
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """Tensors made without a device inside (aranges, masks, loss terms) go to the trainer's device; on the CPU
+        no mode is entered, as it would cost an interpreted call per op."""
+        return contextlib.nullcontext() if self.device.type == "cpu" else self.device
+
     def target_top_k(self, batch: Batch, positions: torch.Tensor) -> TargetTopK:   # [B, A, G] → [B, A, G, k]
         """The target's likeliest tokens after each row's position, in draft ids."""
         inside = positions.clamp(max=batch.tokens.shape[1] - 1).flatten(1)
@@ -269,6 +286,14 @@ class DrafterTrainer:
         targets, its first `rows` rows (default: the whole block), flattened to N blocks in batch order. Block
         drafters run one sequence at a time, unpadded: with a block at every answer position, padding would
         be ~40% of the rows."""
+        with self.on_device():
+            return self._forward(batch.to(self.device), anchors.to(self.device), anchor_valid.to(self.device),
+                                 batch.lengths, anchor_valid.sum(1), rows)
+
+    def _forward(self, batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor, lengths: torch.Tensor,
+                 per_sequence: torch.Tensor, rows: int | None) -> BlockOutputs:
+        """forward on the trainer's device; lengths, per_sequence: [B] each sequence's tokens and blocks, on the
+        CPU (read without waiting for the device)."""
         G = rows or self.cfg.block_size
         aux = batch.target.aux.to(self.dtype)
         positions = anchors[..., None] + torch.arange(G)                       # [B, A, G] row positions
@@ -277,24 +302,25 @@ class DrafterTrainer:
         prev = batch.tokens.gather(1, inside).view_as(positions)                # row k: the token at a + k
         top = self.target_top_k(batch, positions)                               # and the target's next ones
         target = TargetTopK(top.ids[anchor_valid], top.probs[anchor_valid])
-        with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, torch.bfloat16) if self.autocast else contextlib.nullcontext():
             if self.config.algorithm == "EAGLE":
                 hidden = dense_chain_forward(self.config, self.params, self.embed, self.rope, aux, batch.tokens,
                                              anchors, G)[anchor_valid]
             else:
-                per_sequence = zip(batch.lengths.tolist(), anchor_valid.sum(1).tolist())
                 hidden = torch.cat([dense_block_forward(self.config, self.params, self.embed, self.rope,
                                                         aux[b:b + 1, :length], anchors[b:b + 1, :n],
                                                         prev[b:b + 1, :n, 0], G)[0]
-                                    for b, (length, n) in enumerate(per_sequence) if n])
+                                    for b, (length, n) in enumerate(zip(lengths.tolist(), per_sequence.tolist()))
+                                    if n])
             logits, confidence = self.heads(hidden, prev[anchor_valid])
         return BlockOutputs(logits, target, target.ids[..., 0], prev[anchor_valid], valid[anchor_valid], confidence,
-                            anchor_valid.sum(1))
+                            per_sequence)
 
     def losses(self, batch: Batch, generator: torch.Generator) -> LossTerms:
         out = self.forward(batch, *sample_anchors(batch, self.cfg.anchors, generator), self.cfg.train_rows)
-        return block_loss(out.draft_logits, out.target, out.target_ids, out.valid, out.confidence_logits,
-                          self.cfg.loss)
+        with self.on_device():
+            return block_loss(out.draft_logits, out.target, out.target_ids, out.valid, out.confidence_logits,
+                              self.cfg.loss)
 
     # ---- training --------------------------------------------------------------------------------
     def lr_factor(self) -> float:
@@ -357,21 +383,21 @@ class DrafterTrainer:
     # ---- state -----------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         state = {"step": self.step, "elapsed": self.elapsed, "drafter": self.config.to_json(),
-                 "token_map": self.token_map, "weights": {k: p.detach() for k, p in self.params.items()},
+                 "token_map": self.token_map, "weights": {k: p.detach().cpu() for k, p in self.params.items()},
                  "optimizer": self.optimizer.state_dict()}
         tmp = path.with_name(path.name + ".tmp")
         torch.save(state, tmp)
         tmp.replace(path)
 
     def load(self, path: Path) -> None:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")
         if state["drafter"] != self.config.to_json() or not same_map(state["token_map"], self.token_map):
             raise ValueError(f"{path} was trained with other drafter settings or another token map; "
                              "train with the same flags or drop --resume")
         with torch.no_grad():
             for k, p in self.params.items():
                 p.copy_(state["weights"][k])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])       # its moments move to the parameters' device
         self.step, self.elapsed = state["step"], state["elapsed"]
 
     # ---- calibration and export ------------------------------------------------------------------
@@ -390,9 +416,10 @@ class DrafterTrainer:
             return ()
         logits, targets, valid = [], [], []
         for out in self.held_out(examples, features, "calibrate"):
-            logits.append(out.confidence_logits.float())
-            targets.append(acceptance(out.draft_logits.float().log_softmax(-1), out.target))
-            valid.append(out.valid)
+            logits.append(out.confidence_logits.float().cpu())
+            with self.on_device():
+                targets.append(acceptance(out.draft_logits.float().log_softmax(-1), out.target).cpu())
+            valid.append(out.valid.cpu())
         return fit_temperatures(torch.cat(logits), torch.cat(targets), torch.cat(valid))
 
     @torch.no_grad()
@@ -404,15 +431,17 @@ class DrafterTrainer:
         G = self.cfg.block_size
         hits, bigram_hits, rows = torch.zeros(G), torch.zeros(G), torch.zeros(G)
         lengths, bigram_lengths, per_sequence = [], [], []
+        bigram = bigram.to(self.device)
         for out in self.held_out(examples, features, "evaluate"):
             per_sequence += out.per_sequence.tolist()
-            valid = out.valid & (out.target_ids >= 0)
-            match = (out.draft_logits.argmax(-1) == out.target_ids) & valid
-            bigram_match = (self.to_draft[bigram[out.prev_ids]] == out.target_ids) & valid
+            valid = (out.valid & (out.target_ids >= 0)).cpu()
+            target_ids = out.target_ids.cpu()
+            match = (out.draft_logits.argmax(-1).cpu() == target_ids) & valid
+            bigram_match = (self.to_draft[bigram[out.prev_ids]].cpu() == target_ids) & valid
             hits += match.sum(0)
             bigram_hits += bigram_match.sum(0)
             rows += valid.sum(0)
-            blocks = out.valid[:, 0]
+            blocks = out.valid[:, 0].cpu()
             lengths.append(1 + match.long().cumprod(-1).sum(-1)[blocks])
             bigram_lengths.append(1 + bigram_match.long().cumprod(-1).sum(-1)[blocks])
         rows = rows.clamp_min(1)
@@ -426,11 +455,11 @@ class DrafterTrainer:
 
     def checkpoint(self, temperatures: tuple[float, ...] = ()) -> BlockDrafterCheckpoint | EagleCheckpoint:
         if isinstance(self.config, EagleConfig):
-            return EagleCheckpoint(self.config, {k: p.detach().clone() for k, p in self.params.items()},
+            return EagleCheckpoint(self.config, {k: p.detach().to("cpu", copy=True) for k, p in self.params.items()},
                                    "trained drafter")
         config = dataclasses.replace(self.config, confidence_temperatures=temperatures or
                                      self.config.confidence_temperatures)
-        weights = {k: p.detach().clone() for k, p in self.params.items()}
+        weights = {k: p.detach().to("cpu", copy=True) for k, p in self.params.items()}
         if self.token_map is not None:
             weights["token_map"] = self.token_map.long()
         return BlockDrafterCheckpoint(config, weights, "trained drafter")
@@ -460,7 +489,7 @@ def same_map(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def saved_token_map(state_path: Path) -> torch.Tensor | None:
-    return torch.load(state_path, weights_only=True)["token_map"]
+    return torch.load(state_path, weights_only=True, map_location="cpu")["token_map"]
 
 
 def answer_bigrams(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
