@@ -166,7 +166,7 @@ def test_the_pass_off_the_cpu_stays_on_its_device(tiny_llama, sequences):
     as it would with a CUDA one): the model, its KV pool, the metadata and the ops all run on the pass's device."""
     run = TargetPass(tiny_llama, LAYERS, 8, "int8", torch.float32, device="meta")
     assert not run.row_kernel
-    aux, top_ids, top_probs = run.on_device([sequences[1], sequences[2]])
+    aux, top_ids, top_probs = run.unpadded([sequences[1], sequences[2]])
     tokens = len(sequences[1]) + len(sequences[2])
     assert all(t.device.type == "meta" for t in (aux, top_ids, top_probs))
     assert aux.shape == (tokens, len(LAYERS) * tiny_llama.config.hidden_size) and top_ids.shape == (tokens, 8)

@@ -60,7 +60,7 @@ class TargetPass:
     @torch.no_grad()
     def __call__(self, sequences: list[list[int]]) -> TargetFeatures:
         B, L = len(sequences), max(map(len, sequences))
-        aux, top_ids, top_probs = (t.cpu() for t in self.on_device(sequences))
+        aux, top_ids, top_probs = (t.cpu() for t in self.unpadded(sequences))
         inside = torch.arange(L) < torch.tensor([len(s) for s in sequences])[:, None]     # [B, L]
         out = TargetFeatures(torch.zeros(B, L, aux.shape[-1], dtype=aux.dtype),
                              torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
@@ -69,7 +69,7 @@ class TargetPass:
         out.top_probs[inside] = top_probs
         return out
 
-    def on_device(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def unpadded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pass on its device, unpadded: aux [tokens, K * hidden], top ids and probabilities [tokens, k]."""
         B, L = len(sequences), max(map(len, sequences))
         per_seq = -(-L // PAGE_SIZE)
