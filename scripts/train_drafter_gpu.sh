@@ -28,7 +28,7 @@ cat data/smollm2-135m-sharegpt-regenerated.jsonl.gz data/smollm2-135m-sharegpt-r
 "$python" -m specserve.cli train-drafter --device "${DEVICE:-cuda}" --target-model-path "$target" \
     --data "$work/all3.jsonl.gz" --out "$work/drafter" --work-dir "$work" --features-dir "$work/features" \
     --algorithm dspark --block-size 8 --draft-vocab 8192 --markov-rank 64 --batch-size 16 --anchors 0 --lr 1e-3 \
-    --loss-ce 0.5 --loss-dist 0.5 --loss-decay 2 --warmup-ratio 0.02 --time-budget 8m --max-steps 100000 \
+    --loss-ce 0.5 --loss-dist 0.5 --loss-decay 2 --warmup-ratio 0.002 --time-budget 4m --max-steps 100000 \
     --save-every 1000000 --eval-prompts 0 "$@" 2>&1 | tee "$out/train.log"
 cp "$work"/drafter/README.md "$work"/drafter/config.json "$work"/held_out.json "$out"/
 split -b 15M "$work/drafter/model.safetensors" "$out/model.safetensors.part-"

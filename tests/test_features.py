@@ -27,6 +27,8 @@ def test_cached_rows_are_the_target_pass_in_float16(tiny_llama, sequences, tmp_p
     want = TargetPass(tiny_llama, LAYERS, 8, "none", torch.float64)([sequences[4], sequences[0]])
     got = cache.read([4, 0])
     assert got.aux.dtype == torch.float64 and got.aux.shape == want.aux.shape
+    as_stored = cache.read([4, 0], torch.float16)      # what a GPU run copies over and widens there
+    assert as_stored.aux.dtype == torch.float16 and torch.equal(as_stored.aux.double(), got.aux)
     # at most one float16 step apart: the passes batch the sequences differently
     torch.testing.assert_close(got.aux, want.aux, rtol=2 ** -10, atol=2 ** -24)
     assert torch.equal(got.top_ids, want.top_ids)

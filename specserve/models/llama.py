@@ -187,10 +187,12 @@ class LlamaModel:
             lin.weight = weight
 
     @functools.cached_property
-    def stack(self) -> torch.jit.ScriptModule:
+    def stack(self) -> torch.jit.ScriptModule | DecoderStack:
         """The layer stack under TorchScript, compiled on first use (~1 s for SmolLM2's 30 layers): the paths the
-        native stack does not take (float linears, qk-norm, a float64 KV pool) run it."""
-        return scripted(DecoderStack(self.layers))
+        native stack does not take (float linears, qk-norm, a float64 KV pool) run it. Off the CPU it stays eager:
+        its calls are few and large there, and TorchScript's GPU fuser would compile for every new token count."""
+        stack = DecoderStack(self.layers)
+        return scripted(stack) if self.embed.is_cpu else stack
 
     def row_weights(self) -> int:
         """Weights one token's row multiplies through in a forward, the vocabulary projection included."""

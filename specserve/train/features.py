@@ -234,16 +234,17 @@ class FeatureCache:
         return cls(folder, [index[h] for h in hashes], pass_.layer_ids, pass_.model.config.hidden_size, pass_.top_k,
                    pass_.model.dtype)
 
-    def read(self, indices: list[int]) -> TargetFeatures:
-        """The rows of sequences `indices`, zero-padded like TargetPass's output, in the training dtype."""
+    def read(self, indices: list[int], dtype: torch.dtype | None = None) -> TargetFeatures:
+        """The rows of sequences `indices`, zero-padded like TargetPass's output, their features in `dtype` (default
+        the training dtype; float16, as stored, leaves the widening to a GPU and halves the copy to it)."""
         spans = [self.spans[i] for i in indices]
         B, L = len(indices), max(n for _, n in spans)
-        out = TargetFeatures(torch.zeros(B, L, len(self.read_layers) * self.hidden_size, dtype=self.dtype),
+        out = TargetFeatures(torch.zeros(B, L, len(self.read_layers) * self.hidden_size, dtype=dtype or self.dtype),
                              torch.zeros(B, L, self.top_k, dtype=torch.long), torch.zeros(B, L, self.top_k))
         for b, (start, n) in enumerate(spans):
             rows = self.features[start:start + n]
             rows = rows if self.columns is None else rows[:, self.columns]
-            out.aux[b, :n] = torch.from_numpy(np.asarray(rows, dtype=np.float32))
+            out.aux[b, :n] = torch.from_numpy(np.array(rows))      # a copy: the memmap is read-only
             out.top_ids[b, :n] = torch.from_numpy(np.asarray(self.top_ids[start:start + n], dtype=np.int64))
             out.top_probs[b, :n] = torch.from_numpy(np.asarray(self.top_probs[start:start + n], dtype=np.float32))
         return out

@@ -21,7 +21,7 @@ from specserve.models.block_drafter import BlockDrafterCheckpoint
 from specserve.models.eagle import EagleCheckpoint
 from specserve.quantization import QUANTIZATIONS, served_quantization
 from specserve.train.data import Example, build_token_map, is_regenerated, load_examples, regenerate
-from specserve.train.features import FeatureCache, TargetPass
+from specserve.train.features import FeatureCache, TargetFeatures, TargetPass
 from specserve.train.losses import LossWeights
 from specserve.train.report import measure_acceptance, model_card
 from specserve.train.trainer import (
@@ -112,11 +112,14 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
             trainer.init_from(init_from)
         elif cfg.algorithm == "DSPARK" and cfg.markov_init == "bigram":
             trainer.init_markov_from_bigram(train_set)
-    trainer.train(train_set, lambda indices: cache.read([holdout_count + i for i in indices]), state_path,
+    def read(indices: list[int]) -> TargetFeatures:
+        return cache.read(indices, None if device.type == "cpu" else torch.float16)
+
+    trainer.train(train_set, lambda indices: read([holdout_count + i for i in indices]), state_path,
                   log_path=work_dir / "train_log.jsonl")
-    ckpt = trainer.checkpoint(trainer.calibrate(holdout, cache.read))
+    ckpt = trainer.checkpoint(trainer.calibrate(holdout, read))
     ckpt.save(out)
-    held_out = trainer.evaluate(holdout, cache.read, count_bigram(train_set, target.config.vocab_size)) if holdout \
+    held_out = trainer.evaluate(holdout, read, count_bigram(train_set, target.config.vocab_size)) if holdout \
         else None
     (work_dir / "held_out.json").write_text(json.dumps(held_out))
     workloads = {"held-out": [e.prompt_ids for e in holdout[:eval_prompts]], **(eval_workloads or {})}

@@ -169,8 +169,8 @@ def sample_anchors(batch: Batch, count: int, generator: torch.Generator) -> tupl
 class DrafterTrainer:
     """A drafter's trainable tensors (Hugging Face layout), its optimizer and the target's frozen embedding
     and LM head, which the drafter shares. On `device` (a GPU, "cuda"), batches are moved there and the anchors
-    are still drawn on the CPU, so a run picks the same blocks on either; the saved state is on the CPU, so a run
-    resumes on either."""
+    are still drawn on the CPU, so a run picks the same blocks on either; the saved state loads on either (its
+    weights on the CPU, its moments moved to the parameters' device), so a run resumes on either."""
 
     def __init__(self, target: LoadedCheckpoint, cfg: TrainConfig, token_map: torch.Tensor | None,
                  device: torch.device | str = "cpu") -> None:
