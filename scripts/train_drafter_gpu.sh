@@ -6,8 +6,9 @@
 # (pip download --no-deps gguf==0.19.0 -d .whl). The tracked tree is ~61 MiB, most of it drafters' weights that this
 # run does not read: untrack and ignore them for the calls (git rm -q --cached '*.safetensors'; add *.safetensors,
 # /.gpu/ and /.whl/ to .git/info/exclude; git reset -q and drop that line afterwards), then send one part in a first
-# call and the other in a second within the machine's 30 s of warmth (an ignored path carried by the first stays). Writes OUT_DIR/train.log, the exported drafter's small files, its weights in 15 MB parts
-# (cat model.safetensors.part-* > model.safetensors), the held-out report and the training log.
+# call and the other in a second within the machine's 30 s of warmth (an ignored path carried by the first stays).
+# Writes OUT_DIR/train.log, the exported drafter's small files, its weights in 15 MB parts (cat
+# model.safetensors.part-* > model.safetensors), the held-out report and the training log.
 # DEVICE=cpu SPECSERVE_NATIVE=1 PYTHON=.venv/bin/python runs it here (checks the script).
 set -euo pipefail
 python=${PYTHON:-python3}

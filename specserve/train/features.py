@@ -40,8 +40,9 @@ class TargetFeatures:
 
 class TargetPass:
     """The target over whole sequences, causal and unpadded, in the numerics the engine serves it with. On a GPU
-    (`device`) the same model runs its ops' references and attends through padded SDPA calls in the pool's dtype
-    (the row kernel is CPU code): the features differ from the CPU's by rounding, and the cache key says so."""
+    (`device`) the same model runs its ops' references and attends through padded SDPA calls, in float32 over the
+    pool as the row kernel (CPU code) attends: the features differ from the CPU's by rounding, and the cache key says
+    so. `tokens_per_pass`: a batch's target tokens, 4,096 on the CPU (its caches), 65,536 on a GPU."""
 
     def __init__(self, target: LoadedCheckpoint, layer_ids: tuple[int, ...], top_k: int, quantization: str,
                  dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
@@ -49,6 +50,7 @@ class TargetPass:
         self.device = torch.device(device)
         self.kv_geometry = KVGeometry.of(target.config, attention_dtype(kv_cache_dtype, quantization, dtype))
         self.row_kernel = self.device.type == "cpu"
+        self.tokens_per_pass = 4096 if self.row_kernel else 65536
         if not self.row_kernel and self.kv_geometry.dtype == torch.int8:
             raise ValueError("--kv-cache-dtype int8 features need the CPU attention kernel: build them with "
                              "--device cpu, or pick float16")
@@ -183,9 +185,10 @@ class FeatureCache:
 
     @classmethod
     def build(cls, root: Path, key: dict, sequences: list[list[int]], pass_: TargetPass,
-              tokens_per_pass: int = 4096) -> FeatureCache:
-        """The cache of `sequences` under root, the target run (over batches of about `tokens_per_pass`
-        tokens) for those it does not hold yet."""
+              tokens_per_pass: int | None = None) -> FeatureCache:
+        """The cache of `sequences` under root, the target run (over batches of about `tokens_per_pass` tokens,
+        default the pass's own) for those it does not hold yet."""
+        tokens_per_pass = tokens_per_pass or pass_.tokens_per_pass
         folder = cls.folder_for(root, key)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "key.json").write_text(json.dumps(key))

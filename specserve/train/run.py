@@ -36,10 +36,9 @@ from specserve.train.trainer import (
 log = logging.getLogger(__name__)
 
 ALGORITHMS = {"dspark": "DSPARK", "dflash": "DFLASH", "eagle": "EAGLE"}
-GPU_TOKENS_PER_PASS = 65536         # target tokens per feature pass on a GPU (4,096 on the CPU: its caches)
 
 
-def training_device(name: str) -> torch.device:
+def training_device(name: torch.device | str) -> torch.device:
     """--device: cpu, or cuda[:N] where torch sees that GPU."""
     try:
         device = torch.device(name)
@@ -62,7 +61,7 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
                   features_dir: Path | None = None,
                   max_examples: int | None = None,
                   init_from: BlockDrafterCheckpoint | EagleCheckpoint | None = None,
-                  device: str = "cpu") -> BlockDrafterCheckpoint | EagleCheckpoint:
+                  device: torch.device | str = "cpu") -> BlockDrafterCheckpoint | EagleCheckpoint:
     """Train on `examples` with the features of the target as served (`quantization`, default: int8 for
     quantized weights, attention in `kv_cache_dtype` as the engine's flag; cached under `features_dir`, default
     work_dir/features), calibrate on the held-out ones, export to `out` with its model card: held-out row
@@ -99,8 +98,7 @@ def train_drafter(target: LoadedCheckpoint, examples: list[Example], cfg: TrainC
         del target_pass
         target_pass = TargetPass(target, tuple(key["layer_ids"]), cfg.target_top_k, quantization, trainer.dtype,
                                  kv_cache_dtype, device)
-    cache = FeatureCache.build(features_dir, key, sequences, target_pass,
-                               tokens_per_pass=4096 if device.type == "cpu" else GPU_TOKENS_PER_PASS).select(layer_ids)
+    cache = FeatureCache.build(features_dir, key, sequences, target_pass).select(layer_ids)
     del target_pass
     if resuming:
         trainer.load(state_path)
@@ -286,6 +284,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                   init_from=(EagleCheckpoint if cfg.algorithm == "EAGLE" else BlockDrafterCheckpoint).load(
                       args.init_from) if args.init_from else None,
                   eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, source=source,
-                  device=args.device)
+                  device=device)
     print(out)
     return 0
