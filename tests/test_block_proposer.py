@@ -17,8 +17,8 @@ from specserve.kv_pages import KVGeometry
 from specserve.loader import LoadedCheckpoint
 from specserve.models.block_drafter import BlockDrafterCheckpoint, random_block_drafter
 from specserve.speculative.cost_table import STARTUP_ROWS, CostTable
-from specserve.speculative.ngram import prompt_lookup
-from specserve.speculative.windows import BudgetPlanner
+from specserve.speculative.ngram import one_hot_like, prompt_lookup
+from specserve.speculative.windows import BudgetPlanner, Candidate
 from specserve.types import SamplingParams
 from tests import spec_harness
 from tests.spec_harness import (
@@ -482,6 +482,62 @@ def test_hybrid_verifies_whichever_proposal_promises_more(tiny_llama, drafters):
             elif drafts:
                 block += 1
     assert ngram >= 3 and block > 5
+
+
+def test_hybrid_splices_stay_lossless_in_the_engine(tiny_llama, drafters):
+    """Splices (block drafts, then a copy) are verified for greedy and sampled requests alike: greedy outputs equal
+    plain decoding, a rerun samples the same tokens, and a spliced window's copied rows carry one-hot q rows. Each
+    block's first three drafts are replaced by the prompt's first three tokens, claimed sure (one-hot q rows: a
+    deterministic proposal), and its other drafts unsure, so the copy of the prompt after them wins."""
+    prompts = make_prompts(8, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_new_tokens=24, ignore_eos=True)
+              for i in range(8)]
+    kw = {"speculative_block_size": 6, "speculative_algorithm": "DSPARK", "speculative_draft_model_path":
+          drafters["dspark"], "speculative_dspark_confidence_threshold": 0.0, "speculative_ngram_hybrid": True}
+
+    def leading_into_the_prompt(engine):
+        run_block = engine.proposer._run_block
+
+        def led(plan, jobs):
+            out = {}
+            for i, c in run_block(plan, jobs).items():
+                lead = plan.scheduled[i].request.prompt_token_ids[:min(3, len(c.drafts))]
+                n = len(lead)
+                probs = [one_hot_like(c.probs[0], t) for t in lead] + c.probs[n:] if c.probs else []
+                out[i] = Candidate(lead + c.drafts[n:], probs, [0.95] * n + [0.05] * (len(c.drafts) - n))
+            return out
+        engine.proposer._run_block = led
+
+    engine = make_engine(tiny_llama, **kw)
+    leading_into_the_prompt(engine)
+    spliced = {True: 0, False: 0}                 # greedy → splices that won its step
+    hybrid = engine.proposer.hybrid
+    weigh, verifying = hybrid.weigh, hybrid.verifying
+    chosen, judged = set(), set()                 # (request id, copied drafts, block drafts before them)
+
+    def recording_weigh(plan, candidates, lookups):
+        weigh(plan, candidates, lookups)
+        for i, c in candidates.items():
+            if c.ngram_match and c.ngram_from:
+                spliced[plan.scheduled[i].request.params.greedy] += 1
+                chosen.add((plan.scheduled[i].request.request_id, len(c.drafts) - c.ngram_from, c.ngram_from))
+                assert all(row[t] == 1.0 and row.sum() == 1.0 for row, t in
+                           zip(c.probs[c.ngram_from:], c.drafts[c.ngram_from:]))
+
+    def recording_verifying(req, match_length, num_drafts, after=0):
+        judged.add((req.request_id, num_drafts, after))
+        verifying(req, match_length, num_drafts, after)
+
+    hybrid.weigh, hybrid.verifying = recording_weigh, recording_verifying
+    spec = drive(engine, prompts, params)
+    assert chosen <= judged                       # the record learns the copied rows, after the block's
+    plain_run = run(tiny_llama, prompts, params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    assert [spec.outputs[i].token_ids for i in greedy] == [plain_run.outputs[i].token_ids for i in greedy]
+    again = make_engine(tiny_llama, **kw)
+    leading_into_the_prompt(again)
+    assert [o.token_ids for o in drive(again, prompts, params).outputs] == [o.token_ids for o in spec.outputs]
+    assert spliced[True] > 0 and spliced[False] > 0
 
 
 @pytest.mark.parametrize("forecast", [0.0, 100.0])

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,7 +53,7 @@ def hybrid_step(hybrid: NgramHybrid, req: Request, block: Candidate, accepted: i
     """One step of the hybrid on one request: weigh against `block`, verify the winner, record `accepted`."""
     plan = StepPlan((ScheduledRequest(req, len(req.all_token_ids) - 1, 1, True, 4),))
     candidates = {0: block}
-    hybrid.weigh(candidates, hybrid.lookups(plan, 4))
+    hybrid.weigh(plan, candidates, hybrid.lookups(plan, 4))
     if candidates[0].ngram_match:
         hybrid.verifying(req, candidates[0].ngram_match, len(candidates[0].drafts))
     hybrid.record(plan, VerifyResult((RequestVerifyResult((0,) * (accepted + 1), accepted),)))
@@ -74,6 +75,48 @@ def test_hybrid_keeps_the_ngram_record_per_match_length():
     assert set(hybrid.per_request["a"]) == {1, 4}
     hybrid.release(short)
     assert not hybrid.per_request and not hybrid.pending
+
+
+def test_a_splice_copies_the_prompt_after_the_block_drafts_that_lead_into_it():
+    """Nothing earlier ends in 6, so prompt lookup alone has nothing; after the block's drafts 5 1 2 the prompt's
+    `5 1 2` matches and its continuation 3 4 promises more than the block's unsure last rows."""
+    hybrid = NgramHybrid(1, 4)
+    req = Request("a", [5, 1, 2, 3, 4, 6], SamplingParams())
+    block = Candidate([5, 1, 2, 8, 8], [], [0.9, 0.9, 0.9, 0.1, 0.1])
+    plan = StepPlan((ScheduledRequest(req, len(req.all_token_ids) - 1, 1, True, 5),))
+    candidates = {0: block}
+    hybrid.weigh(plan, candidates, hybrid.lookups(plan, 5))
+    assert candidates[0] == Candidate([5, 1, 2, 3, 4], [], [0.9, 0.9, 0.9, *NgramHybrid.PRIORS[3][:2]],
+                                      ngram_match=3, ngram_from=3)
+    hybrid.verifying(req, 3, 2, after=3)
+    hybrid.record(plan, VerifyResult((RequestVerifyResult((5, 1, 2, 3, 0), 4),)))     # 5 1 2 3 held, 4 did not
+    assert (hybrid.per_request["a"][3].sums, hybrid.per_request["a"][3].counts) == ([1.0, 0.0], [1, 1])
+    hybrid.verifying(req, 3, 2, after=3)
+    hybrid.record(plan, VerifyResult((RequestVerifyResult((5, 1, 0), 2),)))    # the block's third draft failed
+    assert hybrid.per_request["a"][3].counts == [1, 1]                         # the n-gram rows were never judged
+
+
+@pytest.mark.parametrize("drafts, confidences", [
+    ([5, 1, 2, 8, 8], [0.9] * 5),                  # a sure block promises more than any splice
+    ([9, 7, 8, 7, 8], [0.9, 0.9, 0.9, 0.1, 0.1]),  # no prefix of its drafts leads into the prompt
+    ([5, 1, 2, 3, 4], [0.9, 0.9, 0.9, 0.1, 0.1]),  # the copy would draft what the block does
+    ([5, 1, 8, 8, 8], [0.9, 0.9, 0.1, 0.1, 0.1]),  # `5 1` matches, too short a match to trust after drafts
+])
+def test_no_splice_where_none_would_change_or_improve_the_drafts(drafts, confidences):
+    req = Request("a", [5, 1, 2, 3, 4, 6], SamplingParams())
+    assert NgramHybrid(1, 4).splice(req, Candidate(drafts, [], confidences)) is None
+
+
+def test_a_sampled_splice_verifies_its_copied_drafts_as_deterministic():
+    """The block's sampled drafts keep their q rows; each copied draft gets a one-hot q row (a deterministic
+    proposal, as prompt lookup's own drafts are verified)."""
+    req = Request("a", [5, 1, 2, 3, 4, 6], SamplingParams(temperature=0.8, seed=3))
+    q = [torch.softmax(torch.randn(10, generator=torch.Generator().manual_seed(k)), 0) for k in range(5)]
+    spliced = NgramHybrid(1, 4).splice(req, Candidate([5, 1, 2, 8, 8], q, [0.9, 0.9, 0.9, 0.1, 0.1]))
+    assert spliced.drafts == [5, 1, 2, 3, 4] and spliced.ngram_from == 3
+    assert all(torch.equal(a, b) for a, b in zip(spliced.probs[:3], q[:3]))
+    assert [row.nonzero().flatten().tolist() for row in spliced.probs[3:]] == [[3], [4]]
+    assert [row.sum().item() for row in spliced.probs[3:]] == [1.0, 1.0]
 
 
 def test_continuation_rates_count_each_row_until_the_first_miss():

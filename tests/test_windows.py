@@ -223,6 +223,29 @@ def test_the_planner_scales_a_requests_claims_by_what_was_accepted():
     assert planner._calibrated(liar, [0.9]) == [0.9]
 
 
+def test_the_planner_scales_only_the_block_rows_of_a_splice():
+    """A splice's block drafts are the drafter's claims, calibrated; its copied rows are the n-gram record's own
+    estimates and a pure n-gram window is taken as it is."""
+    from specserve.speculative.windows import BudgetPlanner, Candidate
+    from specserve.types import Request, SamplingParams, ScheduledRequest, StepPlan
+
+    planner = BudgetPlanner(FLAT)
+    liar = Request("a", [1], SamplingParams())
+    for accepted in [0, 1] * 4:          # rows 0 and 1 both held less often than claimed
+        planner.verified(liar, [0.9, 0.9, 0.9], num_accepted=accepted)
+    seen = {}
+    planner._budget = lambda plan, confidences: seen.update(confidences) or {0: 0}
+    plan = StepPlan((ScheduledRequest(liar, 0, 1, True, 4),))
+    planner.windows(plan, {0: Candidate([1, 2, 3, 4], [], [0.9, 0.9, 0.8, 0.8], ngram_match=3, ngram_from=1)})
+    row0, row1 = planner._calibrated(liar, [0.9, 0.9])
+    assert row0 < 0.9 and row1 < 0.9
+    assert seen[0] == [row0, 0.9, 0.8, 0.8]
+    planner.windows(plan, {0: Candidate([1, 2, 3, 4], [], [0.9, 0.9, 0.8, 0.8], ngram_match=3)})
+    assert seen[0] == [0.9, 0.9, 0.8, 0.8]
+    planner.windows(plan, {0: Candidate([1, 2, 3, 4], [], [0.9, 0.9, 0.8, 0.8])})
+    assert seen[0] == planner._calibrated(liar, [0.9, 0.9, 0.8, 0.8])
+
+
 def test_measured_block_overhead_joins_the_weights_estimate_as_a_running_mean():
     from specserve.speculative.windows import BudgetPlanner
 

@@ -17,10 +17,11 @@ most gamma + 1 rows (a drafter in DFlash's layout runs gamma + 1 slots, the anch
 nothing; its last slot is the verify window's last position, reserved like it). DFLASH verifies all of them;
 DSPARK applies its Markov head row by row with the drafted previous token and sizes each window from its
 confidences (windows.py: the budget planner by default, which also skips blocks that would not pay, or a
-survival threshold). With --speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request
-and verifies it instead when its expected accepted length is larger (ngram.NgramHybrid); requests whose block
-may not run yet draft n-grams alone, and a request whose n-gram continuation promises at least what its block's
-forecast does (the planner's mean of its blocks so far) skips the block: the n-gram would win anyway."""
+survival threshold). With --speculative-ngram-hybrid, DSPARK also looks up an n-gram continuation per request,
+and one after each prefix of its block's drafts, and verifies the one with the largest expected accepted length
+(ngram.NgramHybrid); requests whose block may not run yet draft n-grams alone, and a request whose n-gram
+continuation promises at least what its block's forecast does (the planner's mean of its blocks so far) skips
+the block: the n-gram would win anyway."""
 from __future__ import annotations
 
 import itertools
@@ -128,23 +129,24 @@ class BlockDrafterProposer(CommittedContext):
             catching_up = written > (self.gamma + 1) * len(jobs)
             self.policy.timed(sum(self._slots(plan.scheduled[job.index]) for job in jobs),
                               time.perf_counter() - (flushed if catching_up else start))
-        if lookups:
-            self.hybrid.weigh(candidates, lookups)
+        if self.hybrid is not None:
+            self.hybrid.weigh(plan, candidates, lookups)
         if not candidates:
             return Proposal.none(len(plan.scheduled))
         windows = self.policy.windows(plan, candidates)
         draft_tokens: list[tuple[int, ...]] = [()] * len(plan.scheduled)
         draft_probs: list[torch.Tensor | None] = [None] * len(plan.scheduled)
         draft_conf: list[tuple[float, ...] | None] = [None] * len(plan.scheduled)
-        for i, (d, q, c, ngram_match) in candidates.items():
-            m = windows[i]
+        for i, (d, q, c, ngram_match, ngram_from) in candidates.items():
+            m, req = windows[i], plan.scheduled[i].request
             draft_tokens[i] = tuple(d[:m])
             draft_probs[i] = torch.stack(q[:m]) if q and m else None
             draft_conf[i] = tuple(c[:m]) if c is not None else None
-            if ngram_match and m:
-                self.hybrid.verifying(plan.scheduled[i].request, ngram_match, m)
-            elif c is not None and m:
-                self.pending[plan.scheduled[i].request.request_id] = c[:m]
+            block_rows = min(m, ngram_from) if ngram_match else m
+            if ngram_match and m > block_rows:
+                self.hybrid.verifying(req, ngram_match, m - block_rows, block_rows)
+            if c is not None and block_rows:
+                self.pending[req.request_id] = c[:block_rows]
         return Proposal(tuple(draft_tokens), tuple(draft_probs), tuple(draft_conf))
 
     def _ngram_beats_block(self, job: DraftJob, ngram: Candidate | None) -> bool:

@@ -30,6 +30,7 @@ class Candidate(NamedTuple):
     probs: list[torch.Tensor]            # q rows the drafts were sampled from; empty: deterministic
     confidences: list[float] | None      # per-row confidences (DSPARK's, or the n-gram rows' record)
     ngram_match: int = 0                 # the n-gram lookup's match length; 0: the block's drafts
+    ngram_from: int = 0                  # with ngram_match: the block's drafts before the n-gram's continuation
 
 
 class RowMeans:
@@ -191,8 +192,12 @@ class BudgetPlanner:
         self.held.setdefault(req.request_id, RowMeans()).add_verified(reached, num_accepted)
 
     def windows(self, plan: StepPlan, candidates: dict[int, Candidate]) -> dict[int, int]:
-        confidences = {i: c.confidences if c.ngram_match else self._calibrated(plan.scheduled[i].request, c.confidences)
-                       for i, c in candidates.items()}
+        confidences = {}
+        for i, c in candidates.items():
+            # only the block's own rows are its claims; the n-gram rows' are already their record
+            block_rows = c.ngram_from if c.ngram_match else len(c.confidences)
+            confidences[i] = (self._calibrated(plan.scheduled[i].request, c.confidences[:block_rows])
+                              + c.confidences[block_rows:])
         window_of = self._budget(plan, confidences)
         return {i: window_of[i] for i in candidates}
 
