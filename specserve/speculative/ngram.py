@@ -126,11 +126,10 @@ class NgramHybrid:
     """DSPARK's n-gram option: per request and step, prompt lookup proposes a continuation too, and so does each
     splice (the block's first j drafts, then prompt lookup's continuation of the context with them, where that
     matches SPLICE_MIN_MATCH tokens or more: a copy from the prompt often starts with tokens the drafter guesses
-    and the lookup cannot); whichever of them has the
-    largest expected accepted length (the sum of its survivals) is verified. N-gram rows are as confident as the
-    request's own n-gram rows of the same match length have been: a running per-row estimate, kept per request
-    (so a seeded request samples the same tokens whatever runs beside it), that starts from PRIORS, how often
-    each row held on the target's own answers."""
+    and the lookup cannot); whichever of them has the largest expected accepted length (the sum of its survivals)
+    is verified. N-gram rows are as confident as the request's own n-gram rows of the same match length have been:
+    a running per-row estimate, kept per request (so a seeded request samples the same tokens whatever runs beside
+    it), that starts from PRIORS, how often each row held on the target's own answers."""
     # Match length → the chance each continuation row k = 0..7 matched, given the rows before it did, where the
     # longest earlier suffix match of the prompt + answer so far had that length: continuation_rates over
     # SmolLM2-135M's greedy answers to the first 1,000 ShareGPT prompts of
@@ -166,13 +165,13 @@ class NgramHybrid:
         drafts, confidences = block.drafts, block.confidences
         if confidences is None:
             return None
-        tokens, held = req.all_token_ids + drafts, survivals(confidences)
+        history, held = req.all_token_ids, survivals(confidences)
         best, best_gain = None, sum(held)
         for j in range(1, len(drafts)):
             # Even n-gram rows that all held would not beat it, nor would they after more block rows.
             if sum(held[:j]) + held[j - 1] * (len(drafts) - j) <= best_gain:
                 break
-            context = tokens[:len(tokens) - len(drafts) + j]
+            context = history + drafts[:j]
             length, end = longest_match(context, max(self.ngram_min, self.SPLICE_MIN_MATCH), self.ngram_max)
             if not length:
                 continue
