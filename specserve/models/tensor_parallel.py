@@ -204,6 +204,8 @@ def rank_main(rank: int, topology: Topology, threads: int, args: dict) -> None:
     pools: dict[int, KVPool] = {}
     while not isinstance(command := broadcast_command(), Stop):
         run_command(shard, pools, command)
+    # left to interpreter teardown, gloo's group was sometimes destroyed with a live thread: SIGABRT, exit -6
+    torch.distributed.destroy_process_group()
 
 
 def serve_node(parallel: ParallelConfig, model_path: str | None, dtype: torch.dtype, quantization: str | None,
