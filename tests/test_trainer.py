@@ -361,3 +361,21 @@ def test_a_training_step_stays_on_the_trainers_device(tiny_llama, tiny_answers, 
     assert grads and all(g.device.type == "meta" for g in grads)
     torch.nn.utils.clip_grad_norm_(trainer.params.values(), 1.0)
     trainer.optimizer.step()
+
+
+def test_bfloat16_autocast_on_the_cpu_trains_float32_weights(tiny_llama, tiny_answers, tmp_path):
+    """`--dtype bfloat16` on a CPU with bf16 units: the drafter's matmuls run in bfloat16, the master weights and
+    the optimizer stay float32, and the steps still learn."""
+    trainer = DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "dtype": "bfloat16"}, max_steps=40, save_every=100),
+                             None)
+    data = usable_examples(tiny_answers, 128)
+    batch = live_batch(tiny_llama, trainer, data[:8])
+    with torch.no_grad():
+        out = trainer.forward(batch, *sample_anchors(batch, 8, seeded(1)))
+        before = trainer.losses(batch, seeded(9))
+    assert out.draft_logits.dtype == torch.bfloat16
+    trainer.train(data, live_features(tiny_llama, trainer, data), tmp_path / "state.pt")
+    with torch.no_grad():
+        after = trainer.losses(batch, seeded(9))
+    assert all(p.dtype == torch.float32 for p in trainer.params.values())
+    assert after.total.item() < 0.8 * before.total.item()
