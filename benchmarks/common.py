@@ -40,11 +40,13 @@ def machine_info() -> dict:
                              cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         sha = ""
-    cpu = ""
+    cpu, flags = "", set()
     if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    return {"cpu": cpu, "simd": simd(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    return {"cpu": cpu, "simd": simd(), "bf16_units": sorted(flags & {"avx512_bf16", "amx_bf16"}),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "git_sha": sha,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -5,6 +5,8 @@ the committed training data), in rows per second (valid block rows, one loss ter
                        the feature cache)
   cached, 64 anchors   the target's features and top-k come from the feature cache
   cached, every anchor a block at every answer position (the trainer's default)
+  ..., bfloat16        the same under `--dtype bfloat16` (autocast over float32 weights: fast on CPUs with
+                       bf16 units, e.g. AVX-512 BF16; the machine's `bf16_units` say which it has)
 
 plus the feature cache's build rate (target tokens per second, paid once per training set). Writes
 benchmarks/results/train_throughput.json.
@@ -76,14 +78,18 @@ def main() -> None:
         def live(indices: list[int]):
             return target_pass([sequences[i] for i in indices])
 
-        runs = {"live_64_anchors": (64, live), "cached_64_anchors": (64, cache.read),
-                "cached_every_anchor": (0, cache.read)}
+        runs = {"live_64_anchors": (64, live, "float32"), "cached_64_anchors": (64, cache.read, "float32"),
+                "cached_every_anchor": (0, cache.read, "float32"),
+                "cached_every_anchor_bfloat16": (0, cache.read, "bfloat16")}
         rates = {}
-        for name, (anchors, features) in tqdm(runs.items(), desc="configurations"):
-            trainer = DrafterTrainer(target, TrainConfig(**{**base.__dict__, "anchors": anchors}), token_map)
+        for name, (anchors, features, dtype) in tqdm(runs.items(), desc="configurations"):
+            trainer = DrafterTrainer(target, TrainConfig(**{**base.__dict__, "anchors": anchors, "dtype": dtype}),
+                                     token_map)
             rates[name] = round(rows_per_second(trainer, examples, features, args.steps), 1)
     summary = {**{f"rows_per_s_{k}": v for k, v in rates.items()},
                "cached_every_anchor_over_live_64": round(rates["cached_every_anchor"] / rates["live_64_anchors"], 2),
+               "bfloat16_over_float32_every_anchor": round(rates["cached_every_anchor_bfloat16"]
+                                                           / rates["cached_every_anchor"], 2),
                "feature_cache_build_tok_per_s": round(build_rate, 1)}
     path = write_result("train_throughput", summary, {"config": {
         "drafter": "DSPARK, 1 layer, block 8, Markov rank 64, draft vocabulary 8192, context norm, anchor feature",
