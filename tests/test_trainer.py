@@ -364,8 +364,8 @@ def test_a_training_step_stays_on_the_trainers_device(tiny_llama, tiny_answers, 
 
 
 def test_bfloat16_autocast_on_the_cpu_trains_float32_weights(tiny_llama, tiny_answers, tmp_path):
-    """`--dtype bfloat16` on a CPU with bf16 units: the drafter's matmuls run in bfloat16, the master weights and
-    the optimizer stay float32, and the steps still learn."""
+    """`--dtype bfloat16` on the CPU (fast where it has bf16 units): the drafter's matmuls run in bfloat16, the
+    master weights and the optimizer's moments stay float32, and the steps still learn."""
     trainer = DrafterTrainer(tiny_llama, TrainConfig(**{**SMALL, "dtype": "bfloat16"}, max_steps=40, save_every=100),
                              None)
     data = usable_examples(tiny_answers, 128)
@@ -378,4 +378,6 @@ def test_bfloat16_autocast_on_the_cpu_trains_float32_weights(tiny_llama, tiny_an
     with torch.no_grad():
         after = trainer.losses(batch, seeded(9))
     assert all(p.dtype == torch.float32 for p in trainer.params.values())
+    moments = [t for state in trainer.optimizer.state.values() for t in state.values() if t.dim()]
+    assert moments and all(t.dtype == torch.float32 for t in moments)
     assert after.total.item() < 0.8 * before.total.item()
